@@ -1,0 +1,156 @@
+"""The model config: the ``handler:`` section of ``model-config.yaml``, validated in one place.
+
+TorchServe reads the top-level keys of ``model-config.yaml`` (workers, batching, timeouts) and hands
+the whole file to the handler as ``context.model_yaml_config``; this module owns ``handler:``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from dlrm_errors import ConfigError
+
+POOLINGS = ("sum", "mean")
+OUTPUTS = ("probability", "logit")
+ID_OVERFLOW = ("error", "modulo")
+INT64_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class DLRMConfig:
+    """A DLRM's layout plus the request rules that depend on it.
+
+    F sparse features, one embedding table each (``num_embeddings[f]`` rows of D floats);
+    ``num_dense_features`` floats per row go through the dense arch, whose last size must be D.
+    """
+
+    num_dense_features: int
+    sparse_features: tuple[str, ...]
+    num_embeddings: tuple[int, ...]  # rows per table, in sparse_features order
+    embedding_dim: int
+    dense_arch_layer_sizes: tuple[int, ...]
+    over_arch_layer_sizes: tuple[int, ...]
+    pooling: str = "sum"
+    seed: int = 0  # seeds the random weights the build script makes when no checkpoint is given
+    output: str = "probability"  # sigmoid(logit), or the raw logit
+    id_overflow: str = "error"  # an id >= rows: 400, or id % rows (the hashing trick)
+    max_instances_per_request: int = 4096
+    max_ids_per_request: int = 65536
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any] | None) -> "DLRMConfig":
+        """Validate a ``handler:`` mapping; every message names the key and shows a valid value."""
+        if not isinstance(raw, Mapping):
+            raise ConfigError(
+                "model-config.yaml: expected a 'handler:' mapping with the DLRM layout "
+                "(e.g. handler: {num_dense_features: 5, sparse_features: [feature_0], ...})"
+            )
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(
+                f"handler.{unknown[0]}: unknown key; valid keys are {', '.join(sorted(known))}"
+            )
+        missing = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.name not in raw
+        ]
+        if missing:
+            raise ConfigError(f"handler.{missing[0]}: required key is missing")
+
+        names = raw["sparse_features"]
+        if (
+            not isinstance(names, list)
+            or not names
+            or not all(isinstance(n, str) and n and n.isascii() for n in names)
+        ):
+            raise ConfigError(
+                "handler.sparse_features: expected a non-empty list of ASCII names, "
+                f"got {names!r} (e.g. sparse_features: [feature_0, feature_1])"
+            )
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise ConfigError(f"handler.sparse_features: {dup!r} appears twice; names must be unique")
+
+        rows = raw["num_embeddings"]
+        if isinstance(rows, list):
+            if len(rows) != len(names):
+                raise ConfigError(
+                    f"handler.num_embeddings: expected one row count per sparse feature "
+                    f"({len(names)}), got {len(rows)} (or one integer for every table)"
+                )
+            rows_t = tuple(_positive_int(r, f"num_embeddings[{i}]", "1000") for i, r in enumerate(rows))
+        else:
+            rows_t = (_positive_int(rows, "num_embeddings", "1000"),) * len(names)
+
+        dim = _positive_int(raw["embedding_dim"], "embedding_dim", "8")
+        dense_sizes = _layer_sizes(raw["dense_arch_layer_sizes"], "dense_arch_layer_sizes", "[32, 8]")
+        over_sizes = _layer_sizes(raw["over_arch_layer_sizes"], "over_arch_layer_sizes", "[32, 16, 1]")
+        if dense_sizes[-1] != dim:
+            raise ConfigError(
+                f"handler.dense_arch_layer_sizes: the last size must equal embedding_dim ({dim}), "
+                f"got {list(dense_sizes)} (e.g. [32, {dim}])"
+            )
+        if len(over_sizes) < 2 or over_sizes[-1] != 1:
+            raise ConfigError(
+                "handler.over_arch_layer_sizes: expected at least two sizes ending in 1 (one score "
+                f"per row), got {list(over_sizes)} (e.g. [32, 16, 1])"
+            )
+
+        values = dict(raw)
+        values.update(
+            num_dense_features=_positive_int(raw["num_dense_features"], "num_dense_features", "5"),
+            sparse_features=tuple(names),
+            num_embeddings=rows_t,
+            embedding_dim=dim,
+            dense_arch_layer_sizes=dense_sizes,
+            over_arch_layer_sizes=over_sizes,
+        )
+        for key, choices in (("pooling", POOLINGS), ("output", OUTPUTS), ("id_overflow", ID_OVERFLOW)):
+            if key in raw and raw[key] not in choices:
+                raise ConfigError(
+                    f"handler.{key}: expected one of {', '.join(choices)}, got {raw[key]!r}"
+                )
+        if "seed" in raw and (not isinstance(raw["seed"], int) or isinstance(raw["seed"], bool)):
+            raise ConfigError(f"handler.seed: expected an integer, got {raw['seed']!r} (e.g. seed: 0)")
+        for key, example in (("max_instances_per_request", "4096"), ("max_ids_per_request", "65536")):
+            if key in raw:
+                values[key] = _positive_int(raw[key], key, example)
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "DLRMConfig":
+        """Read the ``handler:`` section of a model-config.yaml file."""
+        path = Path(path)
+        try:
+            doc = yaml.safe_load(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: model config file not found") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        return cls.from_dict((doc or {}).get("handler") if isinstance(doc, dict) else None)
+
+    @property
+    def num_features(self) -> int:
+        """F, the number of sparse features (and embedding tables)."""
+        return len(self.sparse_features)
+
+
+def _positive_int(value: Any, key: str, example: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= INT64_MAX:
+        raise ConfigError(
+            f"handler.{key}: expected a positive integer, got {value!r} (e.g. {key.split('[')[0]}: {example})"
+        )
+    return value
+
+
+def _layer_sizes(value: Any, key: str, example: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"handler.{key}: expected a list of layer sizes, got {value!r} (e.g. {key}: {example})")
+    return tuple(_positive_int(v, f"{key}[{i}]", example) for i, v in enumerate(value))

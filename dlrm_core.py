@@ -1,0 +1,429 @@
+"""The TorchServe-free core: parse a request, collate a batch, score it, build the responses.
+
+    parse_request(body) -> ParsedRequest          one request, validated; raises RequestError
+    collate(requests)   -> Batch, {idx: error}    every row of every request: one dense tensor
+                                                  [B, F_dense] and one KeyedJaggedTensor
+    scores(model, batch) -> list of score lists   one list per request, in order
+    response_body(scores) / error_body(error)     JSON bytes
+
+Request forms (a body may hold one instance, or several under ``instances``)::
+
+    {"dense": [0.1, 0.2], "sparse": {"keys": ["f1", "f0"], "values": [7, 3, 4], "lengths": [1, 2]}}
+    {"instances": [<instance>, <instance>, ...]}
+    {"float_features": [...], "id_list_features.lengths": [<one per feature, model order>],
+     "id_list_features.values": [...]}                 # the pytorch/serve torchrec_dlrm format
+
+A key that an instance omits is an empty bag. The batch's KJT is key-major: with features
+(f0, f1) and rows b0 = the instance above, b1 = {"f0": [5]}, lengths are [2, 1 | 1, 0] and
+values [3, 4, 5 | 7].
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Sequence
+
+import msgspec
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dlrm_config import INT64_MAX, DLRMConfig
+from dlrm_errors import BadRequest, PayloadTooLarge, RequestError
+
+FLOAT32_MAX = 3.4028234663852886e38
+MAX_KEY_CHARS = 256
+
+# The request schema, decoded by msgspec straight from bytes. msgspec's strict mode already
+# refuses booleans for numbers, fractional ids and lengths, NaN/Infinity literals, and non-UTF-8;
+# the bounds below make it refuse negative lengths/ids, ids past int64 and floats past float32.
+_Float32 = Annotated[float, msgspec.Meta(ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
+_Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+_Key = Annotated[str, msgspec.Meta(max_length=MAX_KEY_CHARS)]
+
+
+class _Sparse(msgspec.Struct, forbid_unknown_fields=True):
+    keys: list[_Key]
+    values: list[_Count]
+    lengths: list[_Count]
+
+
+class _Instance(msgspec.Struct, forbid_unknown_fields=True):
+    dense: list[_Float32] | None = None
+    sparse: _Sparse | None = None
+    float_features: list[_Float32] | None = None
+    id_list_lengths: list[_Count] | None = msgspec.field(default=None, name="id_list_features.lengths")
+    id_list_values: list[_Count] | None = msgspec.field(default=None, name="id_list_features.values")
+
+
+class _Request(_Instance, forbid_unknown_fields=True):
+    instances: list[_Instance] | None = None
+
+
+_DECODER = msgspec.json.Decoder(_Request)
+
+
+@dataclass
+class ParsedRequest:
+    """One validated request of n rows, laid out for collation.
+
+    ``values`` holds its ids in request order; segment s (one key of one row) covers
+    ``seg_length[s]`` of them, for feature ``seg_feature[s]`` of row ``seg_row[s]``.
+    """
+
+    n: int
+    dense: list[float]  # n * F_dense floats, row-major
+    values: list[int]
+    seg_feature: list[int]
+    seg_row: list[int]
+    seg_length: list[int]
+    # For error messages only: the field path prefix and the values field of each row.
+    row_prefix: list[str] = field(default_factory=list)
+    row_values_field: list[str] = field(default_factory=list)
+    row_value_start: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Batch:
+    """Every row of the requests that passed: B rows, F features."""
+
+    dense: torch.Tensor  # [B, F_dense] float32
+    sparse: KeyedJaggedTensor  # keys in model order, key-major lengths [F * B], int64 values
+    rows: list[int]  # rows per request, in order
+    remapped_ids: int = 0  # ids folded by id_overflow: modulo
+
+
+class RequestParser:
+    """Validates request bodies against one model config."""
+
+    def __init__(self, config: DLRMConfig):
+        self.config = config
+        self.feature_index = {name: f for f, name in enumerate(config.sparse_features)}
+
+    def parse(self, body: Any) -> ParsedRequest:
+        """A TorchServe body (bytes, str, or an already-decoded dict) -> ParsedRequest.
+
+        Raises BadRequest (400) or PayloadTooLarge (413) naming the field.
+        """
+        req = _decode(body)
+        c = self.config
+        if req.instances is not None:
+            if any(v is not None for v in (req.dense, req.sparse, req.float_features, req.id_list_lengths, req.id_list_values)):
+                raise BadRequest("instances: put every field inside the instances; no other top-level field is allowed beside it")
+            instances, prefix = req.instances, "instances[{}]."
+            if not instances:
+                raise BadRequest("instances: expected a non-empty array of instances, got []")
+        else:
+            instances, prefix = [req], ""
+        if len(instances) > c.max_instances_per_request:
+            raise PayloadTooLarge(
+                f"instances: at most {c.max_instances_per_request} instances per request "
+                f"(handler.max_instances_per_request), got {len(instances)}"
+            )
+        n_ids = sum(len(i.sparse.values) if i.sparse is not None else len(i.id_list_values or ()) for i in instances)
+        if n_ids > c.max_ids_per_request:
+            raise PayloadTooLarge(
+                f"sparse.values: at most {c.max_ids_per_request} ids per request "
+                f"(handler.max_ids_per_request), got {n_ids}"
+            )
+
+        out = ParsedRequest(len(instances), [], [], [], [], [])
+        for row, inst in enumerate(instances):
+            p = prefix.format(row) if prefix else ""
+            out.row_prefix.append(p)
+            out.row_value_start.append(len(out.values))
+            self._add_instance(inst, row, p, out)
+        return out
+
+    def _add_instance(self, inst: _Instance, row: int, p: str, out: ParsedRequest) -> None:
+        c = self.config
+        seed_form = inst.dense is not None or inst.sparse is not None
+        criteo_form = inst.float_features is not None or inst.id_list_lengths is not None or inst.id_list_values is not None
+        if seed_form and criteo_form:
+            raise BadRequest(
+                f"{p}dense: use either dense + sparse or float_features + id_list_features.*, not both"
+            )
+        if not seed_form and not criteo_form:
+            raise BadRequest(f"{p}dense: required field is missing (expected dense and sparse)")
+
+        if seed_form:
+            dense, dense_field = inst.dense, "dense"
+            if dense is None:
+                raise BadRequest(f"{p}dense: required field is missing")
+            if inst.sparse is None:
+                raise BadRequest(f"{p}sparse: required field is missing (expected {{\"keys\": [...], \"values\": [...], \"lengths\": [...]}})")
+            keys, values, lengths = inst.sparse.keys, inst.sparse.values, inst.sparse.lengths
+            values_field, lengths_field = "sparse.values", "sparse.lengths"
+            if len(lengths) != len(keys):
+                raise BadRequest(
+                    f"{p}sparse.lengths: expected one length per key ({len(keys)}), got {len(lengths)}"
+                )
+            features = []
+            for j, key in enumerate(keys):
+                f = self.feature_index.get(key)
+                if f is None:
+                    raise BadRequest(
+                        f"{p}sparse.keys[{j}]: unknown feature {_show(key)}; expected one of "
+                        f"{', '.join(c.sparse_features)}"
+                    )
+                features.append(f)
+            if len(set(features)) != len(features):
+                dup = next(j for j, f in enumerate(features) if features.index(f) != j)
+                raise BadRequest(f"{p}sparse.keys[{dup}]: feature {_show(keys[dup])} appears more than once")
+        else:
+            dense, dense_field = inst.float_features, "float_features"
+            lengths, values = inst.id_list_lengths, inst.id_list_values
+            values_field, lengths_field = "id_list_features.values", "id_list_features.lengths"
+            for name, v in ((dense_field, dense), (lengths_field, lengths), (values_field, values)):
+                if v is None:
+                    raise BadRequest(f"{p}{name}: required field is missing")
+            if len(lengths) != c.num_features:
+                raise BadRequest(
+                    f"{p}{lengths_field}: expected one length per sparse feature in model order "
+                    f"({c.num_features}: {_names(c.sparse_features)}), got {len(lengths)}"
+                )
+            features = range(c.num_features)
+
+        if len(dense) != c.num_dense_features:
+            raise BadRequest(f"{p}{dense_field}: expected {c.num_dense_features} numbers, got {len(dense)}")
+        total = sum(lengths)
+        if total != len(values):
+            raise BadRequest(
+                f"{p}{values_field}: expected sum({lengths_field}) = {total} ids, got {len(values)}"
+            )
+        out.dense.extend(dense)
+        out.values.extend(values)
+        out.seg_feature.extend(features)
+        out.seg_row.extend(itertools.repeat(row, len(lengths)))
+        out.seg_length.extend(lengths)
+        out.row_values_field.append(values_field)
+
+
+def collate(
+    requests: Sequence[ParsedRequest], config: DLRMConfig, device: torch.device | str = "cpu"
+) -> tuple[Batch | None, dict[int, RequestError]]:
+    """All rows of all requests -> one Batch; requests with an out-of-range id become errors.
+
+    A few tensor ops per batch, no loop over ids: segments (one key of one row) are sorted
+    key-major, and one gather reorders the ids. Returns (None, errors) when no request is left.
+    """
+    errors: dict[int, RequestError] = {}
+    keep = list(range(len(requests)))
+    while True:
+        batch, bad = _collate(
+            [requests[i] for i in keep], config, device
+        )
+        if not bad:
+            return batch, errors
+        for j, err in bad.items():
+            errors[keep[j]] = err
+        keep = [i for i in keep if i not in errors]
+        if not keep:
+            return None, errors
+
+
+def _collate(
+    requests: Sequence[ParsedRequest], config: DLRMConfig, device: torch.device | str
+) -> tuple[Batch | None, dict[int, RequestError]]:
+    F = config.num_features
+    rows = [r.n for r in requests]
+    B = sum(rows)
+    row_offset = list(itertools.accumulate(rows, initial=0))
+    dense = torch.tensor(list(itertools.chain.from_iterable(r.dense for r in requests)), dtype=torch.float32)
+    dense = dense.view(B, config.num_dense_features)
+
+    seg_feature = torch.tensor(list(itertools.chain.from_iterable(r.seg_feature for r in requests)), dtype=torch.int64)
+    seg_row = torch.tensor(
+        list(itertools.chain.from_iterable(
+            (row + off for row in r.seg_row) if off else r.seg_row for r, off in zip(requests, row_offset)
+        )),
+        dtype=torch.int64,
+    )
+    seg_length = torch.tensor(list(itertools.chain.from_iterable(r.seg_length for r in requests)), dtype=torch.int64)
+    values_in = torch.tensor(list(itertools.chain.from_iterable(r.values for r in requests)), dtype=torch.int64)
+
+    # Key-major slot of each segment: feature f, row b -> f * B + b. Slots are unique.
+    slot = seg_feature * B + seg_row
+    lengths = torch.zeros(F * B, dtype=torch.int64)
+    lengths[slot] = seg_length
+    order = torch.argsort(slot)
+    len_sorted = seg_length[order]
+    src_start = (torch.cumsum(seg_length, 0) - seg_length)[order]
+    dst_start = torch.cumsum(len_sorted, 0) - len_sorted
+    perm = torch.repeat_interleave(src_start - dst_start, len_sorted) + torch.arange(values_in.numel())
+    values = values_in[perm]
+
+    # Bounds: every id must name a row of its feature's table.
+    limit = torch.repeat_interleave(torch.tensor(config.num_embeddings, dtype=torch.int64), lengths.view(F, B).sum(1))
+    over = values >= limit
+    remapped = 0
+    if bool(over.any()):
+        if config.id_overflow == "modulo":
+            remapped = int(over.sum())
+            values = torch.remainder(values, limit)
+        else:
+            return None, _out_of_range_errors(requests, config, perm[over], values[over])
+
+    kjt = KeyedJaggedTensor(
+        keys=list(config.sparse_features), values=values.to(device), lengths=lengths.to(device)
+    )
+    return Batch(dense.to(device), kjt, rows, remapped), {}
+
+
+def _out_of_range_errors(
+    requests: Sequence[ParsedRequest], config: DLRMConfig, src_pos: torch.Tensor, ids: torch.Tensor
+) -> dict[int, RequestError]:
+    """Name the first out-of-range id of each offending request (the rare path)."""
+    value_offset = list(itertools.accumulate((len(r.values) for r in requests), initial=0))
+    req_of = torch.searchsorted(torch.tensor(value_offset[1:]), src_pos, right=True)
+    errors: dict[int, RequestError] = {}
+    for i in req_of.unique().tolist():
+        mine = req_of == i
+        first = int(src_pos[mine].argmin())
+        pos, id_ = int(src_pos[mine][first]), int(ids[mine][first])
+        r, local = requests[i], pos - value_offset[i]
+        s = bisect.bisect_right(list(itertools.accumulate(r.seg_length)), local)
+        row, f = r.seg_row[s], r.seg_feature[s]
+        name, n_rows = config.sparse_features[f], config.num_embeddings[f]
+        errors[i] = BadRequest(
+            f"{r.row_prefix[row]}{r.row_values_field[row]}[{local - r.row_value_start[row]}]: "
+            f"id {id_} is out of range for feature {name!r} (table of {n_rows} rows: expected 0..{n_rows - 1}; "
+            f"handler.id_overflow: modulo folds ids instead)"
+        )
+    return errors
+
+
+def scores(model: torch.nn.Module, batch: Batch, config: DLRMConfig) -> list[list[float]]:
+    """Forward the whole batch once; split its scores back per request."""
+    with torch.inference_mode():
+        logits = model(batch.dense, batch.sparse).squeeze(1)
+        if config.output == "probability":
+            logits = torch.sigmoid(logits)
+        flat = logits.float().cpu().tolist()
+    out, start = [], 0
+    for n in batch.rows:
+        out.append(flat[start : start + n])
+        start += n
+    return out
+
+
+def response_body(row_scores: list[float]) -> bytes:
+    """``{"scores": [...]}``, plus ``"score"`` when the request has one row."""
+    if len(row_scores) == 1:
+        return msgspec.json.encode({"score": row_scores[0], "scores": row_scores})
+    return msgspec.json.encode({"scores": row_scores})
+
+
+def error_body(error: RequestError) -> bytes:
+    return msgspec.json.encode(error.body())
+
+
+# --- decoding and msgspec error translation -------------------------------------------------
+
+def _decode(body: Any) -> _Request:
+    if body is None:
+        raise BadRequest("body: expected a JSON object, got an empty body")
+    if isinstance(body, (bytes, bytearray, memoryview)):
+        raw = bytes(body)
+    elif isinstance(body, str):
+        raw = body.encode("utf-8", "surrogatepass")
+    else:  # TorchServe already decoded it (Content-Type: application/json, decoding on)
+        try:
+            return msgspec.convert(body, _Request)
+        except msgspec.ValidationError as e:
+            raise BadRequest(_explain(str(e), lambda: body)) from None
+    if not raw.strip():
+        raise BadRequest("body: expected a JSON object, got an empty body")
+    try:
+        return _DECODER.decode(raw)
+    except msgspec.ValidationError as e:
+        raise BadRequest(_explain(str(e), lambda: msgspec.json.decode(raw))) from None
+    except msgspec.DecodeError as e:
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as u:
+            raise BadRequest(f"body: expected UTF-8 JSON, got an invalid byte at position {u.start}") from None
+        raise BadRequest(f"body: expected a JSON object, got malformed JSON ({_lower(str(e))})") from None
+
+
+_AT = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_RULES = [  # msgspec's wording -> ours
+    (re.compile(r"Expected `int` >= 0$"), "expected a non-negative integer"),
+    (re.compile(r"Expected `int` <= \d+$"), f"expected an integer that fits int64 (at most {INT64_MAX})"),
+    (re.compile(r"Expected `float` [<>]= \S+$"), "expected a number within float32 range (|x| <= 3.4e38)"),
+    (re.compile(r"Number out of range$"), "expected a number within float32 range (|x| <= 3.4e38)"),
+    (re.compile(r"Expected `int`, got `float`$"), "expected an integer"),
+    (re.compile(r"Expected `int`, got `(\w+)`$"), "expected an integer"),
+    (re.compile(r"Expected `float`, got `(\w+)`$"), "expected a number"),
+    (re.compile(r"Expected `str` of length <= \d+$"), f"expected a feature name of at most {MAX_KEY_CHARS} characters"),
+    (re.compile(r"Expected `str`, got `(\w+)`$"), "expected a string"),
+    (re.compile(r"Expected `array \| null`, got `(\w+)`$"), "expected an array"),
+    (re.compile(r"Expected `array`, got `(\w+)`$"), "expected an array"),
+    (re.compile(r"Expected `object \| null`, got `(\w+)`$"), "expected an object"),
+    (re.compile(r"Expected `object`, got `(\w+)`$"), "expected a JSON object"),
+]
+
+
+def _explain(msg: str, whole: Any) -> str:
+    """``Expected `int` >= 0 - at `$.sparse.lengths[1]``` -> ``sparse.lengths[1]: expected a
+    non-negative integer, got -1``."""
+    m = _AT.search(msg)
+    path = m.group("path").lstrip(".") if m else ""
+    text = msg[: m.start()] if m else msg
+    if text.startswith("Object missing required field"):
+        name = text.split("`")[1]
+        return f"{path + '.' if path else ''}{name}: required field is missing"
+    if text.startswith("Object contains unknown field"):
+        name = text.split("`")[1]
+        where = f"{path + '.' if path else ''}{name[:MAX_KEY_CHARS]}"
+        return f"{where}: unknown field; expected {_expected_fields(path)}"
+    for rule, ours in _RULES:
+        m = rule.match(text)
+        if m:
+            got = _value_at(whole, path)
+            if got is None and m.groups():
+                got = f"{'an' if m.group(1)[0] in 'aeiou' else 'a'} {m.group(1)}"  # msgspec's type name
+            return f"{path or 'body'}: {ours}" + (f", got {got}" if got is not None else "")
+    return f"{path or 'body'}: {_lower(text)}"
+
+
+def _expected_fields(path: str) -> str:
+    if path.endswith("sparse"):
+        return "keys, values, lengths"
+    fields = "dense, sparse, float_features, id_list_features.lengths, id_list_features.values"
+    return fields if path else fields + ", instances"
+
+
+def _value_at(whole: Any, path: str) -> str | None:
+    """The offending value, shown briefly; None where it cannot be had cheaply and safely."""
+    try:
+        obj = whole()
+        for part in re.findall(r"[^.\[\]]+|\[\d+\]", path):
+            obj = obj[int(part[1:-1])] if part.startswith("[") else obj[part]
+    except (Exception, RecursionError):  # e.g. too deeply nested to decode untyped
+        return None
+    return _show(obj)
+
+
+def _show(value: Any, limit: int = 64) -> str:
+    """JSON text of a value, cut short; never raises."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=True)
+    except (TypeError, ValueError, RecursionError):
+        text = repr(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        text = str(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _names(names: Sequence[str], limit: int = 6) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (", ..." if len(names) > limit else "")
+
+
+def _lower(text: str) -> str:
+    return text[:1].lower() + text[1:]

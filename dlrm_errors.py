@@ -1,0 +1,42 @@
+"""The kit's error vocabulary. Each request error carries its HTTP status.
+
+TorchServe-free: the core raises these, the handler turns a ``RequestError`` into a per-request
+status (``context.set_response_status``) and a JSON body, so one bad request never fails the
+other requests of its TorchServe batch.
+"""
+
+from __future__ import annotations
+
+
+class RequestError(Exception):
+    """A problem with one request; only that request fails. Subclasses set the status."""
+
+    status = 400
+    phrase = "Bad Request"  # HTTP reason phrase: short ASCII (TorchServe 0.12 frames it by chars)
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def body(self) -> dict:
+        """The JSON error body, shaped like TorchServe's own error bodies."""
+        return {"code": self.status, "type": type(self).__name__, "message": self.message}
+
+
+class BadRequest(RequestError):
+    """400: the body is not a well-formed DLRM request (bad JSON, wrong type, wrong count, bad id)."""
+
+
+class PayloadTooLarge(RequestError):
+    """413: more instances or ids than the configured per-request maximum."""
+
+    status = 413
+    phrase = "Payload Too Large"
+
+
+class ConfigError(ValueError):
+    """The model config or archive is wrong; raised at build or load time, never per request.
+
+    The message names the key and shows a valid value, e.g.
+    ``handler.embedding_dim: expected a positive integer, got 0 (e.g. embedding_dim: 8)``.
+    """

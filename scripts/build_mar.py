@@ -1,0 +1,90 @@
+#!/usr/bin/env python
+"""Build a TorchServe model archive (.mar) for a DLRM described by a model-config.yaml.
+
+    python scripts/build_mar.py                                  # seeded random weights
+    python scripts/build_mar.py --checkpoint trained.pt          # your trained state_dict
+    python scripts/build_mar.py --config model-config.criteo.yaml --force
+
+The weights are checked against the config before anything is archived: a table whose name or
+shape does not match is an error that names the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# Shipped beside the handler in the archive; TorchServe puts them on the worker's sys.path.
+EXTRA_FILES = ["dlrm_factory.py", "dlrm_core.py", "dlrm_config.py", "dlrm_errors.py"]
+
+
+def main(argv: list[str] | None = None) -> Path:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(ROOT / "model-config.yaml"),
+                    help="model-config.yaml with a handler: section (default: %(default)s)")
+    ap.add_argument("--checkpoint", help="a trained DLRM state_dict (torch.save(model.state_dict(), path)); "
+                    "default: seeded random weights from handler.seed")
+    ap.add_argument("--output-dir", default=str(ROOT / "model_store"), help="where the .mar goes (default: %(default)s)")
+    ap.add_argument("--model-name", default="dlrm", help="archive and endpoint name (default: %(default)s)")
+    ap.add_argument("--version", default="1.0", help="model version recorded in the archive (default: %(default)s)")
+    ap.add_argument("--force", action="store_true", help="overwrite an existing archive")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from dlrm_config import DLRMConfig
+    from dlrm_errors import ConfigError
+    from dlrm_factory import DLRMFactory
+
+    out_dir = Path(args.output_dir)
+    mar = out_dir / f"{args.model_name}.mar"
+    if mar.exists() and not args.force:
+        sys.exit(f"error: {mar} exists; pass --force to overwrite it")
+    try:
+        config = DLRMConfig.from_yaml(args.config)
+        factory = DLRMFactory(config)
+        with tempfile.TemporaryDirectory(prefix="dlrm-mar-") as tmp:
+            weights = Path(tmp) / "dlrm.pt"
+            started = time.perf_counter()
+            if args.checkpoint:
+                print(f"[build] checking {args.checkpoint} against {args.config}", flush=True)
+                # load() validates every table and layer; mmap keeps big checkpoints off the heap.
+                state = factory.load(args.checkpoint).state_dict()
+            else:
+                print(f"[build] random weights, seed {config.seed}: {sum(config.num_embeddings):,} rows "
+                      f"x D={config.embedding_dim}", flush=True)
+                state = factory.random().state_dict()
+            torch.save(state, weights)
+            print(f"[build] weights {weights.stat().st_size / 1e6:.1f} MB in {time.perf_counter() - started:.1f} s",
+                  flush=True)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            cmd = [
+                str(Path(sys.executable).parent / "torch-model-archiver"),
+                "--model-name", args.model_name,
+                "--version", args.version,
+                "--handler", str(ROOT / "dlrm_handler.py"),
+                "--serialized-file", str(weights),
+                "--extra-files", ",".join(str(ROOT / f) for f in EXTRA_FILES),
+                "--config-file", str(Path(args.config).resolve()),
+                "--export-path", str(out_dir),
+                # Random floats do not compress; storing them makes building and loading faster.
+                "--archive-format", "zip-store",
+            ]
+            if args.force:
+                cmd.append("--force")
+            subprocess.run(cmd, check=True)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+    print(f"[build] {mar} ({mar.stat().st_size / 1e6:.1f} MB)")
+    return mar
+
+
+if __name__ == "__main__":
+    main()

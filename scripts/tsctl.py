@@ -1,0 +1,204 @@
+"""Start, probe and stop one TorchServe instance; shared by serve.py, the tests and benchmarks.
+
+Each instance gets its own TMPDIR (TorchServe keeps its pid file there, so ``torchserve --stop``
+only ever stops the instance it belongs to), its own log folder, and a properties file derived
+from ``config.properties`` with the ports it was asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = ROOT / ".venv" / "bin"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """A TorchServe started from ``properties``; its pid file, key file and logs live under ``home``.
+
+    The server runs from a copy of ``properties`` with paths made absolute and ``overrides``
+    applied (tests use them for free ports).
+    """
+
+    home: Path  # cwd of the server: tmp/ (pid file), key_file.json, derived properties
+    properties: Path = ROOT / "config.properties"
+    model_store: Path = ROOT / "model_store"
+    log_dir: Path | None = None  # default: home/logs
+    overrides: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.home = Path(self.home).resolve()
+        self.log_dir = Path(self.log_dir or self.home / "logs").resolve()
+
+    @classmethod
+    def on_free_ports(cls, home: Path, **kw) -> "Server":
+        """A server whose every port is a free loopback port, for tests and benchmarks."""
+        ports = {
+            "inference_address": f"http://127.0.0.1:{free_port()}",
+            "management_address": f"http://127.0.0.1:{free_port()}",
+            "metrics_address": f"http://127.0.0.1:{free_port()}",
+            "grpc_inference_port": free_port(),
+            "grpc_management_port": free_port(),
+        }
+        ports.update(kw.pop("overrides", None) or {})
+        return cls(home=home, overrides=ports, **kw)
+
+    def _address(self, key: str, default: str) -> str:
+        props = read_properties(self.properties)
+        props.update({k: str(v) for k, v in self.overrides.items()})
+        return props.get(key, default).replace("0.0.0.0", "127.0.0.1").rstrip("/")
+
+    @property
+    def url(self) -> str:
+        return self._address("inference_address", "http://127.0.0.1:8080")
+
+    @property
+    def management_url(self) -> str:
+        return self._address("management_address", "http://127.0.0.1:8081")
+
+    @property
+    def metrics_url(self) -> str:
+        return self._address("metrics_address", "http://127.0.0.1:8082")
+
+    def token(self, kind: str = "inference") -> str | None:
+        """The ``inference`` or ``management`` key from key_file.json, when token auth is on."""
+        try:
+            return json.loads((self.home / "key_file.json").read_text())[kind]["key"]
+        except (OSError, KeyError, ValueError):
+            return None
+
+    def auth(self, kind: str = "inference") -> dict:
+        key = self.token(kind)
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def env(self) -> dict:
+        env = dict(os.environ)
+        env["TMPDIR"] = str(self.home / "tmp")  # pid file, worker sockets, extracted archives
+        env["LOG_LOCATION"] = str(self.log_dir)
+        env["METRICS_LOCATION"] = str(self.log_dir)
+        env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+        return env
+
+    def write_properties(self) -> Path:
+        """A copy of ``properties``: absolute paths (the server's cwd is ``home``), overrides."""
+        props = read_properties(self.properties)
+        props["model_store"] = str(self.model_store.resolve())
+        if "metrics_config" in props:
+            props["metrics_config"] = str((self.properties.parent / props["metrics_config"]).resolve())
+        props.update({k: str(v) for k, v in self.overrides.items()})
+        path = self.home / "config.properties"
+        path.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
+        return path
+
+    def start(self) -> "Server":
+        """Start in the background; output goes to logs/ (never a pipe: the daemon keeps it open)."""
+        (self.home / "tmp").mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        props = self.write_properties()
+        with open(self.log_dir / "torchserve.out", "ab") as out:
+            subprocess.run(
+                [str(BIN / "torchserve"), "--start", "--ts-config", str(props),
+                 "--model-store", str(self.model_store.resolve()), "--ncs"],
+                check=True, cwd=self.home, env=self.env(), stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        return self
+
+    def stop(self) -> None:
+        """Stop this instance (its own pid file) and wait for it to exit; a no-op if not running."""
+        if not (self.home / "tmp").is_dir():
+            return
+        with open(self.log_dir / "torchserve.out", "ab") as out:
+            subprocess.run(
+                [str(BIN / "torchserve"), "--stop", "--foreground"],
+                check=False, cwd=self.home, env=self.env(), stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, timeout=90,
+            )
+
+    def running(self) -> bool:
+        pid_file = self.home / "tmp" / ".model_server.pid"
+        try:
+            os.kill(int(pid_file.read_text().split()[0]), 0)
+            return True
+        except (OSError, ValueError):
+            return False
+
+    def wait_ready(self, model: str, probe: bytes, timeout: float = 180.0, progress=None) -> dict:
+        """Readiness: poll until ``model`` answers ``probe`` with 200 (``/ping`` says Healthy
+        even when a model failed to load). Returns the decoded answer."""
+        deadline = time.monotonic() + timeout
+        last = "no answer yet"
+        while time.monotonic() < deadline:
+            if not self.running():
+                raise RuntimeError(f"TorchServe exited during startup; see {self.log_dir}/torchserve.out and ts_log.log")
+            try:
+                status, body, _ = post(f"{self.url}/predictions/{model}", probe, headers=self.auth())
+                if status == 200:
+                    return json.loads(body)
+                last = f"HTTP {status}: {body[:200]!r}"
+            except OSError as e:
+                last = str(e)
+            if progress:
+                progress(f"waiting for {model} to answer ({last})")
+            time.sleep(1.0)
+        raise TimeoutError(f"{model} did not answer within {timeout:.0f} s (last: {last}); see {self.log_dir}/")
+
+    def worker_pids(self, model: str) -> list[int]:
+        """The pids of the model's workers, from the management API."""
+        status, body, _ = get(f"{self.management_url}/models/{model}", headers=self.auth("management"))
+        if status != 200:
+            raise RuntimeError(f"GET /models/{model}: HTTP {status} {body[:200]!r}")
+        return sorted(w["pid"] for m in json.loads(body) for w in m["workers"])
+
+    def wipe(self) -> None:
+        shutil.rmtree(self.home, ignore_errors=True)
+
+
+def post(url: str, body: bytes, content_type: str = "application/json", headers: dict | None = None,
+         timeout: float = 30.0) -> tuple[int, bytes, dict]:
+    req = urllib.request.Request(url, data=body, method="POST",
+                                 headers={"Content-Type": content_type, **(headers or {})})
+    return _send(req, timeout)
+
+
+def get(url: str, headers: dict | None = None, timeout: float = 30.0) -> tuple[int, bytes, dict]:
+    return _send(urllib.request.Request(url, headers=headers or {}), timeout)
+
+
+def _send(req: urllib.request.Request, timeout: float) -> tuple[int, bytes, dict]:
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read(), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, e.read(), dict(e.headers)
+
+
+def _read_properties(path: Path) -> list[tuple[str, str]]:
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            k, v = line.split("=", 1)
+            out.append((k.strip(), v.strip()))
+    return out
+
+
+def read_properties(path: Path) -> dict:
+    return dict(_read_properties(path))
+
