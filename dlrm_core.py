@@ -340,13 +340,14 @@ def _decode(body: Any) -> _Request:
         raise BadRequest("body: expected a JSON object, got an empty body")
     try:
         return _DECODER.decode(raw)
-    except msgspec.ValidationError as e:
-        raise BadRequest(_explain(str(e), lambda: msgspec.json.decode(raw))) from None
-    except msgspec.DecodeError as e:
+    except msgspec.MsgspecError as e:
+        # Only now, on the error path, is it worth telling bad encoding from bad content.
         try:
             raw.decode("utf-8")
         except UnicodeDecodeError as u:
             raise BadRequest(f"body: expected UTF-8 JSON, got an invalid byte at position {u.start}") from None
+        if isinstance(e, msgspec.ValidationError):
+            raise BadRequest(_explain(str(e), lambda: msgspec.json.decode(raw))) from None
         raise BadRequest(f"body: expected a JSON object, got malformed JSON ({_lower(str(e))})") from None
 
 

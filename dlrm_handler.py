@@ -70,7 +70,7 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         parsed, index, errors = [], [], {}
         for i, row in enumerate(data):
             try:
-                parsed.append(self.parser.parse(_body(row)))
+                parsed.append(self.parser.parse(_body(row, self.context, i)))
                 index.append(i)
             except RequestError as e:
                 errors[i] = e
@@ -117,13 +117,18 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         return out
 
 
-def _body(row: dict):
-    """The request body from TorchServe's row; a form post (curl -d without a Content-Type)
-    arrives split into form fields, which is never a DLRM request."""
+def _body(row: dict, ctx, idx: int):
+    """The request body from TorchServe's row. A form post (curl -d without a Content-Type)
+    arrives split into form fields, or as nothing at all: never a DLRM request."""
     for key in ("body", "data"):
         if row.get(key) is not None:
             return row[key]
-    if row:
+    try:
+        content_type = (ctx.get_request_header(idx, "Content-Type")
+                        or ctx.get_request_header(idx, "content-type") or "").lower()
+    except Exception:  # header lookups differ across TorchServe versions and fakes
+        content_type = ""
+    if row or content_type.startswith(("application/x-www-form-urlencoded", "multipart/form-data")):
         raise BadRequest(
             "body: expected JSON with Content-Type: application/json, got a form post "
             "(add -H 'Content-Type: application/json' to curl)"

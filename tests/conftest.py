@@ -1,0 +1,105 @@
+"""Shared fixtures: a tiny seeded DLRM (tables of tens of rows, D=8), a fake TorchServe context."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from dlrm_config import DLRMConfig  # noqa: E402
+from dlrm_factory import DLRMFactory  # noqa: E402
+
+TINY = {
+    "num_dense_features": 5,
+    "sparse_features": ["feature_0", "feature_1", "feature_2"],
+    "num_embeddings": [20, 30, 40],
+    "embedding_dim": 8,
+    "dense_arch_layer_sizes": [16, 8],
+    "over_arch_layer_sizes": [16, 8, 1],
+    "seed": 3,
+    "max_instances_per_request": 8,
+    "max_ids_per_request": 64,
+}
+
+
+def tiny_config(**changes) -> DLRMConfig:
+    return DLRMConfig.from_dict({**TINY, **changes})
+
+
+@pytest.fixture(scope="session")
+def config() -> DLRMConfig:
+    return tiny_config()
+
+
+@pytest.fixture(scope="session")
+def model(config):
+    return DLRMFactory(config).random()
+
+
+@pytest.fixture(scope="session")
+def weights(tmp_path_factory, model) -> Path:
+    path = tmp_path_factory.mktemp("weights") / "dlrm.pt"
+    torch.save(model.state_dict(), path)
+    return path
+
+
+class FakeMetrics:
+    def __init__(self):
+        self.recorded = []
+
+    def add_time(self, name, value, idx=None, unit="ms", dimensions=None, metric_type=None):
+        self.recorded.append((name, value, unit))
+
+    def add_counter(self, name, value, idx=None, dimensions=None):
+        self.recorded.append((name, value, "count"))
+
+
+class FakeContext:
+    """What the handler uses of ts.context.Context, recording per-request statuses and types."""
+
+    def __init__(self, model_dir: Path, handler_section: dict | None, serialized: str | None = "dlrm.pt",
+                 gpu_id=None):
+        self.system_properties = {"model_dir": str(model_dir), "gpu_id": gpu_id, "batch_size": 8}
+        model = {"modelName": "dlrm", "handler": "dlrm_handler.py"}
+        if serialized:
+            model["serializedFile"] = serialized
+        self.manifest = {"model": model}
+        self.model_yaml_config = {"handler": handler_section} if handler_section is not None else {}
+        self.metrics = FakeMetrics()
+        self.request_ids = {}
+        self.statuses = {}
+        self.content_types = {}
+        self.headers = {}  # idx -> {name: value}
+
+    def get_request_header(self, idx, key):
+        return self.headers.get(idx, {}).get(key)
+
+    def set_response_status(self, code, phrase, idx=0):
+        self.statuses[idx] = (code, phrase)
+
+    def set_response_content_type(self, idx, value):
+        self.content_types[idx] = value
+
+
+@pytest.fixture
+def handler(tmp_path, weights):
+    """An initialized handler over the tiny model's weights."""
+    from dlrm_handler import TorchRecDLRMHandler
+
+    (tmp_path / "dlrm.pt").symlink_to(weights)
+    h = TorchRecDLRMHandler()
+    h.initialize(FakeContext(tmp_path, dict(TINY)))
+    return h
+
+
+def call(handler, bodies, handler_section=None):
+    """Run one TorchServe batch through handler.handle; returns (outputs, context)."""
+    ctx = FakeContext(Path("."), handler_section or dict(TINY))
+    ctx.request_ids = {i: f"req-{i}" for i in range(len(bodies))}
+    return handler.handle([{"body": b} for b in bodies], ctx), ctx

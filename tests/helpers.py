@@ -1,0 +1,24 @@
+"""Request builders shared by the tests."""
+
+from __future__ import annotations
+
+import json
+
+
+def instance(dense, **bags) -> dict:
+    """A seed-format instance: instance([..5 floats..], feature_0=[1, 2], feature_2=[7])."""
+    return {
+        "dense": list(dense),
+        "sparse": {
+            "keys": list(bags),
+            "values": [i for ids in bags.values() for i in ids],
+            "lengths": [len(ids) for ids in bags.values()],
+        },
+    }
+
+
+def body(obj) -> bytes:
+    return json.dumps(obj).encode()
+
+
+DENSE = [0.5, -1.0, 0.25, 2.0, 0.0]

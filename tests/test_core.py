@@ -1,0 +1,145 @@
+"""The TorchServe-free core: request forms, the batch's KJT layout, scores vs a direct model call."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from conftest import tiny_config
+from dlrm_core import RequestParser, collate, response_body, scores
+from helpers import DENSE, body, instance
+
+
+@pytest.fixture
+def parser(config):
+    return RequestParser(config)
+
+
+def run(parser, model, config, bodies):
+    parsed = [parser.parse(b) for b in bodies]
+    batch, errors = collate(parsed, config)
+    assert errors == {}
+    return scores(model, batch, config)
+
+
+def direct(model, dense_rows, lengths, values):
+    """The model on hand-built tensors (key-major lengths), as probabilities."""
+    kjt = KeyedJaggedTensor(
+        keys=["feature_0", "feature_1", "feature_2"],
+        values=torch.tensor(values, dtype=torch.int64),
+        lengths=torch.tensor(lengths, dtype=torch.int64),
+    )
+    with torch.inference_mode():
+        return torch.sigmoid(model(torch.tensor(dense_rows, dtype=torch.float32), kjt)).squeeze(1).tolist()
+
+
+def test_seed_form_in_any_key_order_matches_direct_model_call(parser, model, config):
+    a = body(instance(DENSE, feature_0=[1, 2], feature_1=[3], feature_2=[4, 5, 6]))
+    b = body(instance(DENSE, feature_2=[4, 5, 6], feature_0=[1, 2], feature_1=[3]))
+    want = direct(model, [DENSE], [2, 1, 3], [1, 2, 3, 4, 5, 6])
+    assert run(parser, model, config, [a])[0] == pytest.approx(want, abs=1e-6)
+    assert run(parser, model, config, [b])[0] == pytest.approx(want, abs=1e-6)
+
+
+def test_kjt_layout_is_key_major_with_omitted_keys_as_empty_bags(parser, config):
+    reqs = [
+        body(instance(DENSE, feature_1=[7], feature_0=[3, 4])),  # row 0
+        body({"instances": [instance([1] * 5, feature_2=[9, 8]), instance([2] * 5, feature_0=[5])]}),  # rows 1, 2
+        body(instance([3] * 5)),  # row 3: no ids at all
+    ]
+    batch, errors = collate([parser.parse(r) for r in reqs], config)
+    assert errors == {}
+    assert batch.rows == [1, 2, 1]
+    kjt = batch.sparse
+    assert kjt.keys() == ["feature_0", "feature_1", "feature_2"]
+    #                      feature_0     feature_1     feature_2
+    assert kjt.lengths().tolist() == [2, 0, 1, 0, 1, 0, 0, 0, 0, 2, 0, 0]
+    assert kjt.values().tolist() == [3, 4, 5, 7, 9, 8]
+    assert kjt.values().dtype == torch.int64
+    assert batch.dense.dtype == torch.float32
+    assert batch.dense.tolist() == [DENSE, [1.0] * 5, [2.0] * 5, [3.0] * 5]
+
+
+def test_batch_matches_direct_model_call_on_same_tensors(parser, model, config):
+    reqs = [
+        body(instance(DENSE, feature_1=[7], feature_0=[3, 4])),
+        body({"instances": [instance([1] * 5, feature_2=[9, 8]), instance([2] * 5, feature_0=[5])]}),
+    ]
+    got = run(parser, model, config, reqs)
+    want = direct(model, [DENSE, [1] * 5, [2] * 5], [2, 0, 1, 1, 0, 0, 0, 2, 0], [3, 4, 5, 7, 9, 8])
+    assert got[0] == pytest.approx(want[:1], abs=1e-6)
+    assert got[1] == pytest.approx(want[1:], abs=1e-6)
+
+
+def test_scores_are_batch_invariant(parser, model, config):
+    reqs = [
+        body(instance(DENSE, feature_0=[1], feature_1=[2], feature_2=[3])),
+        body(instance([0.1] * 5, feature_2=[39, 0, 17, 17])),
+        body({"instances": [instance([1, 2, 3, 4, 5], feature_1=[29]), instance([-1] * 5)]}),
+        body(instance([9, 8, 7, 6, 5], feature_0=[19, 18], feature_1=list(range(10)))),
+    ]
+    solo = [run(parser, model, config, [r])[0] for r in reqs]
+    together = run(parser, model, config, reqs)
+    reversed_ = run(parser, model, config, reqs[::-1])[::-1]
+    for s, t, r in zip(solo, together, reversed_):
+        assert torch.allclose(torch.tensor(s), torch.tensor(t), atol=1e-5)
+        assert torch.allclose(torch.tensor(s), torch.tensor(r), atol=1e-5)
+    # an instances list scores each instance as it would alone
+    alone = [run(parser, model, config, [body(i)])[0][0] for i in json.loads(reqs[2])["instances"]]
+    assert torch.allclose(torch.tensor(alone), torch.tensor(together[2]), atol=1e-5)
+
+
+def test_every_input_moves_the_score(parser, model, config):
+    base = run(parser, model, config, [body(instance(DENSE, feature_0=[1], feature_1=[2], feature_2=[3]))])[0][0]
+    variants = [
+        instance(DENSE, feature_0=[2], feature_1=[2], feature_2=[3]),
+        instance(DENSE, feature_0=[1], feature_1=[5], feature_2=[3]),
+        instance(DENSE, feature_0=[1], feature_1=[2], feature_2=[30]),
+        instance(DENSE, feature_0=[1, 1], feature_1=[2], feature_2=[3]),  # multi-hot
+        instance(DENSE, feature_1=[2], feature_2=[3]),  # omitted key
+        instance([5, -1.0, 0.25, 2.0, 0.0], feature_0=[1], feature_1=[2], feature_2=[3]),
+    ]
+    for v in variants:
+        moved = run(parser, model, config, [body(v)])[0][0]
+        assert abs(moved - base) > 1e-3, v
+    assert 0.02 < base < 0.98  # away from the sigmoid's flat ends
+
+
+def test_criteo_format_is_lengths_in_model_order(parser, model, config):
+    criteo = {"float_features": DENSE, "id_list_features.lengths": [2, 0, 1], "id_list_features.values": [4, 5, 6]}
+    seed = instance(DENSE, feature_0=[4, 5], feature_2=[6])
+    assert run(parser, model, config, [body(criteo)]) == run(parser, model, config, [body(seed)])
+
+
+def test_dict_str_and_bytes_bodies_parse_alike(parser, model, config):
+    obj = instance(DENSE, feature_0=[1], feature_2=[3])
+    forms = [obj, json.dumps(obj), json.dumps(obj).encode(), bytearray(json.dumps(obj).encode())]
+    results = [run(parser, model, config, [f]) for f in forms]
+    assert all(r == results[0] for r in results)
+
+
+def test_logit_output_is_the_raw_logit(model):
+    cfg = tiny_config(output="logit")
+    p = RequestParser(cfg)
+    logit = run(p, model, cfg, [body(instance(DENSE, feature_0=[1]))])[0][0]
+    prob = run(RequestParser(tiny_config()), model, tiny_config(), [body(instance(DENSE, feature_0=[1]))])[0][0]
+    assert torch.sigmoid(torch.tensor(logit)).item() == pytest.approx(prob, abs=1e-6)
+
+
+def test_modulo_folds_out_of_range_ids_and_counts_them(model):
+    cfg = tiny_config(id_overflow="modulo")
+    p = RequestParser(cfg)
+    batch, errors = collate([p.parse(body(instance(DENSE, feature_0=[21, 3], feature_2=[85])))], cfg)
+    assert errors == {}
+    assert batch.sparse.values().tolist() == [1, 3, 5]  # 21 % 20, 3, 85 % 40
+    assert batch.remapped_ids == 2
+    folded = scores(model, batch, cfg)
+    assert folded == run(p, model, cfg, [body(instance(DENSE, feature_0=[1, 3], feature_2=[5]))])
+
+
+def test_response_body_shape():
+    assert json.loads(response_body([0.25])) == {"score": 0.25, "scores": [0.25]}
+    assert json.loads(response_body([0.25, 0.5])) == {"scores": [0.25, 0.5]}

@@ -1,0 +1,168 @@
+"""The TorchServe handler driven in-process with a fake Context; and the archive build script."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY, FakeContext, call
+from dlrm_core import RequestParser, collate, scores
+from dlrm_errors import ConfigError
+from helpers import DENSE, body, instance
+
+
+def test_handler_scores_equal_a_direct_model_call(handler, model, config):
+    reqs = [
+        body(instance(DENSE, feature_0=[1, 2], feature_2=[39])),
+        body({"instances": [instance([1] * 5, feature_1=[3]), instance([0] * 5)]}),
+    ]
+    out, ctx = call(handler, reqs)
+    assert len(out) == 2
+    parsed = [RequestParser(config).parse(r) for r in reqs]
+    want = scores(model, collate(parsed, config)[0], config)
+    first, second = json.loads(out[0]), json.loads(out[1])
+    assert torch.allclose(torch.tensor(first["scores"]), torch.tensor(want[0]), atol=1e-6)
+    assert first["score"] == first["scores"][0]
+    assert "score" not in second and torch.allclose(torch.tensor(second["scores"]), torch.tensor(want[1]), atol=1e-6)
+    assert ctx.statuses == {}
+    assert ctx.content_types == {0: "application/json", 1: "application/json"}
+    assert any(name == "HandlerTime" for name, _, _ in ctx.metrics.recorded)
+
+
+def test_bad_requests_fail_alone_and_good_ones_keep_their_scores(handler):
+    good = [body(instance(DENSE, feature_0=[1])), body(instance([2] * 5, feature_1=[2, 29]))]
+    solo = [json.loads(call(handler, [g])[0][0]) for g in good]
+    batch = [
+        good[0],
+        b"{not json",
+        body(instance(DENSE, feature_0=[20])),  # out of range id: found in collation
+        good[1],
+        body({"instances": [instance(DENSE)] * 9}),  # too many instances: 413
+        body(instance(DENSE, **{"féature_0": [1]})),
+    ]
+    out, ctx = call(handler, batch)
+    assert len(out) == len(batch)
+    assert json.loads(out[0]) == solo[0] and json.loads(out[3]) == solo[1]
+    assert ctx.statuses == {1: (400, "Bad Request"), 2: (400, "Bad Request"), 4: (413, "Payload Too Large"),
+                            5: (400, "Bad Request")}
+    errors = {i: json.loads(out[i]) for i in ctx.statuses}
+    assert errors[1]["code"] == 400 and errors[1]["type"] == "BadRequest" and errors[1]["message"].startswith("body:")
+    assert errors[2]["message"].startswith("sparse.values[0]: id 20 is out of range")
+    assert errors[4] == {"code": 413, "type": "PayloadTooLarge", "message": errors[4]["message"]}
+    assert "féature_0" in errors[5]["message"]
+    assert all(phrase.isascii() for _, phrase in ctx.statuses.values())
+
+
+def test_a_batch_of_only_bad_requests(handler):
+    out, ctx = call(handler, [b"", body(instance(DENSE, feature_2=[40]))])
+    assert [json.loads(o)["code"] for o in out] == [400, 400]
+    assert set(ctx.statuses) == {0, 1}
+
+
+def test_form_post_gets_a_hint(handler):
+    ctx = FakeContext(Path("."), dict(TINY))
+    ctx.headers = {1: {"Content-Type": "application/x-www-form-urlencoded"}}
+    out = handler.handle([{"a": bytearray(b"1")}, {}, {}], ctx)  # TorchServe's rows for form posts
+    assert ctx.statuses == {0: (400, "Bad Request"), 1: (400, "Bad Request"), 2: (400, "Bad Request")}
+    assert "Content-Type: application/json" in json.loads(out[0])["message"]
+    assert "Content-Type: application/json" in json.loads(out[1])["message"]
+    assert json.loads(out[2])["message"] == "body: expected a JSON object, got an empty body"
+
+
+def test_server_side_failure_fails_the_batch_with_5xx(handler):
+    from ts.utils.util import PredictionException
+
+    class Boom(torch.nn.Module):
+        def __init__(self, exc):
+            super().__init__()
+            self.exc = exc
+
+        def forward(self, *a):
+            raise self.exc
+
+    good = body(instance(DENSE, feature_0=[1]))
+    for exc, code in [(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried... out of memory"), 507),
+                      (MemoryError(), 507), (RuntimeError("bad kernel"), 500)]:
+        handler.model = Boom(exc)
+        with pytest.raises(PredictionException) as info:
+            call(handler, [good])
+        assert info.value.error_code == code
+
+
+def test_initialize_errors_say_what_to_fix(tmp_path, weights):
+    from dlrm_handler import TorchRecDLRMHandler
+
+    with pytest.raises(ConfigError, match="expected a 'handler:' mapping"):
+        TorchRecDLRMHandler().initialize(FakeContext(tmp_path, None))
+    with pytest.raises(ConfigError, match="the archive has no weights"):
+        TorchRecDLRMHandler().initialize(FakeContext(tmp_path, dict(TINY), serialized=None))
+    with pytest.raises(ConfigError, match="weights file not found"):
+        TorchRecDLRMHandler().initialize(FakeContext(tmp_path, dict(TINY)))
+    with pytest.raises(ConfigError, match="handler.embedding_dim"):
+        TorchRecDLRMHandler().initialize(FakeContext(tmp_path, {**TINY, "embedding_dim": -1}))
+
+
+def test_handler_uses_cpu_without_cuda_even_with_a_gpu_id(tmp_path, weights):
+    from dlrm_handler import TorchRecDLRMHandler
+
+    (tmp_path / "dlrm.pt").symlink_to(weights)
+    h = TorchRecDLRMHandler()
+    h.initialize(FakeContext(tmp_path, dict(TINY), gpu_id=0))
+    want = "cuda:0" if torch.cuda.is_available() else "cpu"
+    assert str(h.device) == want
+    assert {p.device.type for p in h.model.parameters()} == {torch.device(want).type}
+
+
+def test_modules_define_exactly_one_class():
+    # TorchServe's loader refuses a handler or model file with more or fewer classes.
+    import inspect
+
+    import dlrm_factory
+    import dlrm_handler
+
+    for mod in (dlrm_handler, dlrm_factory):
+        own = [c for _, c in inspect.getmembers(mod, inspect.isclass) if c.__module__ == mod.__name__]
+        assert len(own) == 1, (mod.__name__, own)
+
+
+def test_build_script_makes_a_mar_with_manifest(tmp_path, model, weights):
+    import build_mar
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text(json.dumps({"batchSize": 4, "handler": TINY}))  # JSON is YAML
+    mar = build_mar.main(["--config", str(config), "--output-dir", str(tmp_path / "store"),
+                          "--checkpoint", str(weights)])
+    with zipfile.ZipFile(mar) as z:
+        manifest = json.loads(z.read("MAR-INF/MANIFEST.json"))
+        names = set(z.namelist())
+        z.extract("dlrm.pt", tmp_path / "x")
+    assert manifest["model"]["handler"] == "dlrm_handler.py"
+    assert manifest["model"]["serializedFile"] == "dlrm.pt"
+    assert manifest["model"]["configFile"] == "tiny.yaml"
+    assert {"dlrm_handler.py", "dlrm_factory.py", "dlrm_core.py", "dlrm_config.py", "dlrm_errors.py",
+            "tiny.yaml", "dlrm.pt"} <= names
+    archived = torch.load(tmp_path / "x" / "dlrm.pt", weights_only=True)
+    for k, v in model.state_dict().items():
+        assert torch.equal(archived[k], v), k
+    # an existing archive needs --force
+    with pytest.raises(SystemExit, match="pass --force"):
+        build_mar.main(["--config", str(config), "--output-dir", str(tmp_path / "store")])
+
+
+def test_build_script_rejects_a_mismatched_checkpoint(tmp_path, model):
+    import build_mar
+
+    state = dict(model.state_dict())
+    state["sparse_arch.embedding_bag_collection.embedding_bags.feature_0.weight"] = torch.zeros(21, 8)
+    ckpt = tmp_path / "bad.pt"
+    torch.save(state, ckpt)
+    config = tmp_path / "tiny.yaml"
+    config.write_text(json.dumps({"handler": TINY}))
+    with pytest.raises(SystemExit) as info:
+        build_mar.main(["--config", str(config), "--output-dir", str(tmp_path), "--checkpoint", str(ckpt)])
+    assert "table 'feature_0' has shape [21, 8], the config expects [20, 8]" in str(info.value)
+    assert not (tmp_path / "dlrm.mar").exists()

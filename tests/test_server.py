@@ -1,0 +1,155 @@
+"""Integration: a real TorchServe on free loopback ports, real HTTP, the shipped configs."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT
+from helpers import instance
+from tsctl import Server, get, post
+
+pytestmark = pytest.mark.integration
+
+SAMPLES = ROOT / "sample_requests"
+
+
+def build_archive(tmp: Path, **top_level) -> Path:
+    """The shipped model-config.yaml, with TorchServe keys changed for the test."""
+    import build_mar
+
+    doc = yaml.safe_load((ROOT / "model-config.yaml").read_text())
+    doc.update(top_level)
+    config = tmp / "model-config.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    store = tmp / "store"
+    build_mar.main(["--config", str(config), "--output-dir", str(store)])
+    return store
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ts")
+    # A long batch delay makes concurrent requests share a TorchServe batch.
+    store = build_archive(tmp, batchSize=8, maxBatchDelay=100)
+    srv = Server.on_free_ports(tmp / "home", model_store=store)
+    try:
+        srv.start()
+        srv.wait_ready("dlrm", (SAMPLES / "seed_single.json").read_bytes(), timeout=180)
+        yield srv
+    finally:
+        srv.stop()
+        assert not srv.running()
+
+
+def predict(srv, raw: bytes, content_type="application/json", headers=None):
+    status, body, hdrs = post(f"{srv.url}/predictions/dlrm", raw, content_type, headers)
+    return status, json.loads(body), {k.lower(): v for k, v in hdrs.items()}
+
+
+def batches_so_far(srv) -> int:
+    """How many handler calls the worker has logged (TorchServe's own log line per batch)."""
+    log = (srv.log_dir / "model_log.log").read_text(errors="replace")
+    return len(re.findall(r"Backend received inference at", log))
+
+
+def random_request(rng: random.Random) -> dict:
+    """One or several instances, multi-hot bags of different lengths, random key subsets."""
+
+    def one():
+        keys = rng.sample(["feature_0", "feature_1", "feature_2"], rng.randint(0, 3))
+        return instance([round(rng.uniform(-2, 2), 3) for _ in range(5)],
+                        **{k: [rng.randrange(1000) for _ in range(rng.randint(0, 4))] for k in keys})
+
+    return one() if rng.random() < 0.6 else {"instances": [one() for _ in range(rng.randint(1, 5))]}
+
+
+def test_sample_requests_answer(server):
+    for name in ["seed_single.json", "seed_multi_hot.json"]:
+        status, answer, headers = predict(server, (SAMPLES / name).read_bytes())
+        assert status == 200, answer
+        assert headers["content-type"] == "application/json"
+        assert set(answer) == {"score", "scores"} and 0 < answer["score"] < 1
+    status, answer, _ = predict(server, (SAMPLES / "instances.json").read_bytes())
+    assert status == 200 and len(answer["scores"]) == 3
+    for bad in sorted((SAMPLES / "malformed").glob("*.json")):
+        status, answer, headers = predict(server, bad.read_bytes())
+        assert status == 400, bad.name
+        assert answer["code"] == 400 and answer["type"] == "BadRequest" and answer["message"], bad.name
+        assert headers["content-type"] == "application/json"
+
+
+def test_any_content_type_carrying_json_works(server):
+    raw = (SAMPLES / "seed_single.json").read_bytes()
+    want = predict(server, raw)[1]
+    for ct in ["text/plain", "application/json; charset=utf-8", "application/octet-stream"]:
+        assert predict(server, raw, ct)[1] == want, ct
+    status, answer, _ = predict(server, raw, "application/x-www-form-urlencoded")  # curl -d without -H
+    assert status == 400 and "Content-Type: application/json" in answer["message"]
+
+
+def test_concurrent_mixed_requests_get_their_solo_scores(server):
+    rng = random.Random(11)
+    reqs = [json.dumps(random_request(rng)).encode() for _ in range(48)]
+    solo = [predict(server, r) for r in reqs]
+    assert all(s == 200 for s, _, _ in solo), solo
+    before = batches_so_far(server)
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(lambda r: predict(server, r), reqs))
+    time.sleep(0.5)  # let the worker's log catch up
+    shared = len(reqs) - (batches_so_far(server) - before)
+    assert shared > 0, "no two requests shared a TorchServe batch"
+    for (s1, a1, _), (s2, a2, _) in zip(solo, together):
+        assert s2 == 200
+        assert len(a1["scores"]) == len(a2["scores"])
+        assert all(abs(x - y) <= 1e-5 for x, y in zip(a1["scores"], a2["scores"])), (a1, a2)
+
+
+def test_bad_requests_in_a_batch_fail_alone_and_the_worker_survives(server):
+    pids = server.worker_pids("dlrm")
+    rng = random.Random(5)
+    good = [json.dumps(random_request(rng)).encode() for _ in range(12)]
+    solo = [predict(server, g)[1] for g in good]
+    bad = [
+        (b"{", 400, "body:"),
+        ('{"dense":[1,2,3,4,5],"sparse":{"keys":["féature_0"],"values":[1],"lengths":[1]}}'.encode(), 400,
+         "sparse.keys[0]:"),
+        (b'{"dense":[1,2,3,4,5],"sparse":{"keys":["feature_0"],"values":[1000],"lengths":[1]}}', 400,
+         "sparse.values[0]: id 1000 is out of range"),
+        (b"[" * 200_000, 400, "body:"),
+        (b'{"dense":[1,2,3,4,5],"sparse":{"keys":["feature_0"],"values":[1],"lengths":[true]}}', 400,
+         "sparse.lengths[0]:"),
+        (json.dumps({"instances": [instance([0] * 5)] * 4097}).encode(), 413, "instances:"),
+        (b'\xff\xfe{', 400, "body:"),
+    ]
+    mixed = [(g, 200, s) for g, s in zip(good, solo)] + bad
+    rng.shuffle(mixed)
+    before = batches_so_far(server)
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda m: predict(server, m[0]), mixed))
+    time.sleep(0.5)
+    assert batches_so_far(server) - before < len(mixed), "no two requests shared a TorchServe batch"
+    for (raw, want_status, want), (status, answer, headers) in zip(mixed, answers):
+        assert status == want_status, (raw[:80], answer)
+        assert headers["content-type"] == "application/json"
+        if want_status == 200:
+            assert all(abs(x - y) <= 1e-5 for x, y in zip(answer["scores"], want["scores"]))
+        else:
+            assert answer["code"] == want_status and answer["message"].startswith(want), answer
+    assert server.worker_pids("dlrm") == pids  # no worker died or restarted
+
+
+def test_management_and_metrics_are_loopback_only_and_model_api_is_off(server):
+    status, body, _ = get(f"{server.management_url}/models/dlrm")
+    assert status == 200 and json.loads(body)[0]["modelName"] == "dlrm"
+    status, _, _ = post(f"{server.management_url}/models?url=dlrm.mar", b"")
+    assert status == 405  # enable_model_api=false: nobody registers archives over HTTP
+    status, body, _ = get(f"{server.metrics_url}/metrics")
+    assert status == 200 and b"ts_inference_requests_total" in body

@@ -1,0 +1,194 @@
+"""Every rejection: the exact status, and a message that names the field and what was expected."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import tiny_config
+from dlrm_core import RequestParser, collate
+from dlrm_errors import RequestError
+from helpers import DENSE, instance
+
+OK = instance(DENSE, feature_0=[1], feature_1=[2, 3], feature_2=[4])
+
+
+def js(obj) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def with_sparse(**sparse):
+    return js({"dense": DENSE, "sparse": {"keys": ["feature_0"], "values": [1], "lengths": [1], **sparse}})
+
+
+# (case, body, status, the message starts with, and contains)
+CASES = [
+    ("not json", b"dense=1", 400, "body:", "malformed JSON"),
+    ("not utf-8", b'{"dense": "\xff\xfe"}', 400, "body:", "UTF-8"),
+    ("empty", b"", 400, "body:", "empty body"),
+    ("whitespace only", b"  \n", 400, "body:", "empty body"),
+    ("deeply nested", b"[" * 100_000 + b"]" * 100_000, 400, "body:", "expected a JSON object"),
+    ("nested in instances", b'{"instances": ' + b"[" * 50_000, 400, "instances[0]:", "expected a JSON object"),
+    ("top level array", b"[1, 2]", 400, "body:", "expected a JSON object, got [1, 2]"),
+    ("top level string", b'"hi"', 400, "body:", "expected a JSON object"),
+    ("trailing garbage", js(OK) + b" x", 400, "body:", "malformed JSON"),
+    ("unknown top-level field", js({**OK, "dnese": [1]}), 400, "dnese:", "unknown field"),
+    ("missing dense", js({"sparse": OK["sparse"]}), 400, "dense:", "required field is missing"),
+    ("missing sparse", js({"dense": DENSE}), 400, "sparse:", "required field is missing"),
+    ("dense not array", js({**OK, "dense": "1,2"}), 400, "dense:", 'expected an array, got "1,2"'),
+    ("dense wrong count", js({**OK, "dense": [1, 2]}), 400, "dense:", "expected 5 numbers, got 2"),
+    ("dense string item", js({**OK, "dense": [1, 2, "3", 4, 5]}), 400, "dense[2]:", 'expected a number, got "3"'),
+    ("dense boolean", js({**OK, "dense": [1, 2, True, 4, 5]}), 400, "dense[2]:", "expected a number, got true"),
+    ("dense NaN", b'{"dense": [1, NaN, 1, 1, 1], "sparse": {"keys": [], "values": [], "lengths": []}}', 400, "body:", "malformed JSON"),
+    ("dense Infinity", b'{"dense": [Infinity, 1, 1, 1, 1], "sparse": {"keys": [], "values": [], "lengths": []}}', 400, "body:", "malformed JSON"),
+    ("dense overflows float64", b'{"dense": [1e999, 1, 1, 1, 1], "sparse": {"keys": [], "values": [], "lengths": []}}', 400, "dense[0]:", "float32"),
+    ("dense overflows float32", js({**OK, "dense": [1, 1, 1, 1, -1e39]}), 400, "dense[4]:", "float32"),
+    ("sparse not object", js({"dense": DENSE, "sparse": [1]}), 400, "sparse:", "expected an object"),
+    ("sparse unknown field", with_sparse(ids=[1]), 400, "sparse.ids:", "expected keys, values, lengths"),
+    ("keys missing", js({"dense": DENSE, "sparse": {"values": [1], "lengths": [1]}}), 400, "sparse.keys:", "required field is missing"),
+    ("values missing", js({"dense": DENSE, "sparse": {"keys": ["feature_0"], "lengths": [1]}}), 400, "sparse.values:", "required field is missing"),
+    ("lengths missing", js({"dense": DENSE, "sparse": {"keys": ["feature_0"], "values": [1]}}), 400, "sparse.lengths:", "required field is missing"),
+    ("keys not array", with_sparse(keys="feature_0"), 400, "sparse.keys:", "expected an array"),
+    ("key not string", with_sparse(keys=[0]), 400, "sparse.keys[0]:", "expected a string, got 0"),
+    ("values not array", with_sparse(values=1), 400, "sparse.values:", "expected an array, got 1"),
+    ("lengths not array", with_sparse(lengths={"a": 1}), 400, "sparse.lengths:", "expected an array"),
+    ("keys/lengths mismatch", with_sparse(lengths=[1, 0]), 400, "sparse.lengths:", "one length per key (1), got 2"),
+    ("sum(lengths) != len(values)", with_sparse(values=[1, 2]), 400, "sparse.values:", "sum(sparse.lengths) = 1 ids, got 2"),
+    ("negative length", with_sparse(lengths=[-1], values=[]), 400, "sparse.lengths[0]:", "expected a non-negative integer, got -1"),
+    ("fractional length", with_sparse(lengths=[1.5]), 400, "sparse.lengths[0]:", "expected an integer, got 1.5"),
+    ("string length", with_sparse(lengths=["1"]), 400, "sparse.lengths[0]:", 'expected an integer, got "1"'),
+    ("boolean length", with_sparse(lengths=[True]), 400, "sparse.lengths[0]:", "expected an integer, got true"),
+    ("negative id", with_sparse(values=[-1]), 400, "sparse.values[0]:", "expected a non-negative integer, got -1"),
+    ("fractional id", with_sparse(values=[1.0]), 400, "sparse.values[0]:", "expected an integer, got 1.0"),
+    ("string id", with_sparse(values=["1"]), 400, "sparse.values[0]:", 'expected an integer, got "1"'),
+    ("boolean id", with_sparse(values=[True]), 400, "sparse.values[0]:", "expected an integer, got true"),
+    ("null id", with_sparse(values=[None]), 400, "sparse.values[0]:", "expected an integer, got null"),
+    ("id past int64", b'{"dense": [1,1,1,1,1], "sparse": {"keys": ["feature_0"], "values": [9223372036854775808], "lengths": [1]}}', 400, "sparse.values[0]:", "fits int64"),
+    ("id past uint64", b'{"dense": [1,1,1,1,1], "sparse": {"keys": ["feature_0"], "values": [99999999999999999999999], "lengths": [1]}}', 400, "sparse.values[0]:", "fits int64"),
+    ("unknown key", with_sparse(keys=["feature_9"]), 400, "sparse.keys[0]:", 'unknown feature "feature_9"; expected one of feature_0, feature_1, feature_2'),
+    ("duplicate key", with_sparse(keys=["feature_0", "feature_0"], values=[1, 2], lengths=[1, 1]), 400, "sparse.keys[1]:", "appears more than once"),
+    ("non-ascii key", with_sparse(keys=["féature_0"]), 400, "sparse.keys[0]:", 'unknown feature "féature_0"'),
+    ("absurdly long key", with_sparse(keys=["k" * 100_000]), 400, "sparse.keys[0]:", "at most 256 characters"),
+    ("id == rows", with_sparse(values=[20]), 400, "sparse.values[0]:", "id 20 is out of range for feature 'feature_0' (table of 20 rows: expected 0..19"),
+    ("id >> rows", js(instance(DENSE, feature_0=[1], feature_2=[3, 4000])), 400, "sparse.values[2]:", "id 4000 is out of range for feature 'feature_2'"),
+    ("empty instances", js({"instances": []}), 400, "instances:", "non-empty array"),
+    ("instances not array", js({"instances": {"dense": DENSE}}), 400, "instances:", "expected an array"),
+    ("instances with top-level dense", js({"instances": [OK], "dense": DENSE}), 400, "instances:", "no other top-level field"),
+    ("instance not object", js({"instances": [OK, 5]}), 400, "instances[1]:", "expected a JSON object, got 5"),
+    ("instance bad dense", js({"instances": [OK, {**OK, "dense": [1]}]}), 400, "instances[1].dense:", "expected 5 numbers, got 1"),
+    ("instance unknown field", js({"instances": [OK, {**OK, "x": 1}]}), 400, "instances[1].x:", "unknown field"),
+    ("instance missing sparse", js({"instances": [OK, {"dense": DENSE}]}), 400, "instances[1].sparse:", "required field is missing"),
+    ("instance bad id", js({"instances": [OK, OK, instance(DENSE, feature_1=[1, 30])]}), 400, "instances[2].sparse.values[1]:", "id 30 is out of range for feature 'feature_1'"),
+    ("nested instances", js({"instances": [{"instances": [OK]}]}), 400, "instances[0].instances:", "unknown field"),
+    ("too many instances", js({"instances": [OK] * 9}), 413, "instances:", "at most 8 instances per request (handler.max_instances_per_request), got 9"),
+    ("too many ids", js(instance(DENSE, feature_0=[1] * 65)), 413, "sparse.values:", "at most 64 ids per request (handler.max_ids_per_request), got 65"),
+    ("too many ids across instances", js({"instances": [instance(DENSE, feature_0=[1] * 40)] * 2}), 413, "sparse.values:", "got 80"),
+    ("criteo lengths count", js({"float_features": DENSE, "id_list_features.lengths": [1], "id_list_features.values": [1]}), 400, "id_list_features.lengths:", "one length per sparse feature in model order (3"),
+    ("criteo values missing", js({"float_features": DENSE, "id_list_features.lengths": [0, 0, 0]}), 400, "id_list_features.values:", "required field is missing"),
+    ("criteo float count", js({"float_features": [1], "id_list_features.lengths": [0, 0, 0], "id_list_features.values": []}), 400, "float_features:", "expected 5 numbers, got 1"),
+    ("criteo bad id", js({"float_features": DENSE, "id_list_features.lengths": [0, 1, 1], "id_list_features.values": [3, 40]}), 400, "id_list_features.values[1]:", "id 40 is out of range for feature 'feature_2'"),
+    ("mixed forms", js({**OK, "float_features": DENSE}), 400, "dense:", "not both"),
+]
+
+
+@pytest.mark.parametrize("case,raw,status,starts,contains", CASES, ids=[c[0] for c in CASES])
+def test_rejection(case, raw, status, starts, contains):
+    cfg = tiny_config()
+    with pytest.raises(RequestError) as info:
+        parsed = RequestParser(cfg).parse(raw)
+        _, errors = collate([parsed], cfg)  # the id bounds check lives in collation
+        raise errors[0]
+    err = info.value
+    assert err.status == status
+    assert err.message.startswith(starts), err.message
+    assert contains in err.message, err.message
+    assert err.phrase.isascii() and len(err.phrase) < 32
+    assert err.body() == {"code": status, "type": type(err).__name__, "message": err.message}
+    assert len(err.message) < 600  # an absurd input is never echoed whole
+
+
+def test_messages_never_echo_huge_values():
+    err_msg = _message(with_sparse(keys=["x" * 300]))
+    assert len(err_msg) < 300
+
+
+def _message(raw):
+    try:
+        RequestParser(tiny_config()).parse(raw)
+    except RequestError as e:
+        return e.message
+    raise AssertionError("accepted")
+
+
+def test_dict_bodies_from_torchserve_get_the_same_checks():
+    # With TorchServe's own JSON decoding on, NaN arrives as a float: still refused.
+    p = RequestParser(tiny_config())
+    for obj, field in [
+        ({**OK, "dense": [float("nan"), 1, 1, 1, 1]}, "dense[0]"),
+        ({**OK, "dense": [float("inf"), 1, 1, 1, 1]}, "dense[0]"),
+        ({"dense": DENSE, "sparse": {"keys": ["feature_0"], "values": [True], "lengths": [1]}}, "sparse.values[0]"),
+        ({"instances": [OK, {**OK, "dense": None}]}, "instances[1].dense"),
+    ]:
+        with pytest.raises(RequestError) as info:
+            p.parse(obj)
+        assert info.value.message.startswith(field), info.value.message
+
+
+# --- property tests: the parser accepts, or raises one of our errors; never anything else ---------
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
+    max_leaves=30,
+)
+keys = st.sampled_from(["feature_0", "feature_1", "feature_2", "feature_3", "féature_0", ""])
+near_valid = st.fixed_dictionaries(
+    {
+        "dense": st.lists(st.floats(allow_nan=False, width=64) | st.integers(), max_size=7),
+        "sparse": st.fixed_dictionaries(
+            {
+                "keys": st.lists(keys, max_size=4),
+                "values": st.lists(st.integers(min_value=-5, max_value=2**64), max_size=8),
+                "lengths": st.lists(st.integers(min_value=-1, max_value=4), max_size=4),
+            }
+        ),
+    }
+)
+
+
+def _accepts_or_refuses(raw):
+    cfg = tiny_config()
+    try:
+        parsed = RequestParser(cfg).parse(raw)
+    except RequestError as e:
+        assert e.status in (400, 413) and e.message
+        return
+    batch, errors = collate([parsed], cfg)
+    if errors:
+        assert set(errors) == {0} and errors[0].status == 400
+    else:
+        assert batch.dense.shape == (parsed.n, 5)
+        assert batch.sparse.lengths().numel() == 3 * parsed.n
+        assert int(batch.sparse.lengths().sum()) == batch.sparse.values().numel()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(json_values)
+def test_any_json_value(value):
+    _accepts_or_refuses(json.dumps(value).encode())
+    _accepts_or_refuses(value)  # as TorchServe's own decoder would hand it over
+
+
+@settings(max_examples=300, deadline=None)
+@given(near_valid | st.fixed_dictionaries({"instances": st.lists(near_valid, max_size=3)}))
+def test_near_valid_requests(value):
+    _accepts_or_refuses(json.dumps(value).encode())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_any_bytes(raw):
+    _accepts_or_refuses(raw)
