@@ -11,7 +11,7 @@ Starting again first stops the server this script started before, so repeating i
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 from pathlib import Path
 
@@ -32,6 +32,7 @@ def start(args) -> int:
     srv.start()
     print(f"[serve] TorchServe starting: {srv.url} (logs in {srv.log_dir}/)", flush=True)
     sample = Path(args.sample).read_bytes()
+    shown = os.path.relpath(args.sample)
     try:
         srv.wait_ready(args.model, sample, timeout=args.timeout,
                        progress=lambda msg: print(f"[serve] {msg}", flush=True))
@@ -40,12 +41,12 @@ def start(args) -> int:
         return 1
     url = f"{srv.url}/predictions/{args.model}"
     status, body, _ = post(url, sample, headers=srv.auth())
-    print(f"[serve] POST {url} < {args.sample}\n[serve] HTTP {status}: {body.decode()}")
+    print(f"[serve] POST {url} < {shown}\n[serve] HTTP {status}: {body.decode()}")
     if srv.token():
         print(f"[serve] token authorization is on: send 'Authorization: Bearer <inference key>' "
               f"from {srv.home / 'key_file.json'}")
     print(f"[serve] ready. Try: curl -X POST {url} -H \"Content-Type: application/json\" "
-          f"-d @{args.sample}\n[serve] stop with: make stop")
+          f"-d @{shown}\n[serve] stop with: make stop")
     return 0 if status == 200 else 1
 
 

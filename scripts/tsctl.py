@@ -154,7 +154,7 @@ class Server:
                 last = f"HTTP {status}: {body[:200]!r}"
             except OSError as e:
                 last = str(e)
-            if progress:
+            if progress and int(time.monotonic() - deadline + timeout) % 5 == 0:
                 progress(f"waiting for {model} to answer ({last})")
             time.sleep(1.0)
         raise TimeoutError(f"{model} did not answer within {timeout:.0f} s (last: {last}); see {self.log_dir}/")
