@@ -85,12 +85,15 @@ def test_server_side_failure_fails_the_batch_with_5xx(handler):
             raise self.exc
 
     good = body(instance(DENSE, feature_0=[1]))
+    real_model, want = handler.model, call(handler, [good])[0]
     for exc, code in [(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried... out of memory"), 507),
                       (MemoryError(), 507), (RuntimeError("bad kernel"), 500)]:
         handler.model = Boom(exc)
         with pytest.raises(PredictionException) as info:
             call(handler, [good])
         assert info.value.error_code == code
+    handler.model = real_model  # the next batch is served as before: nothing is left wedged
+    assert call(handler, [good])[0] == want
 
 
 def test_initialize_errors_say_what_to_fix(tmp_path, weights):

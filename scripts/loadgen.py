@@ -1,0 +1,150 @@
+"""A small asyncio HTTP/1.1 load generator: keep-alive connections, loopback only, bounded.
+
+Used by soak.py (correctness under load) and benchmark.py (throughput and latency). It reports
+its own CPU time, since on a small machine it shares the cores with the server it measures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+from urllib.parse import urlsplit
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class Connection:
+    """One keep-alive connection; reopens when the server closes it (TorchServe does after errors)."""
+
+    def __init__(self, url: str, headers: dict | None = None):
+        parts = urlsplit(url)
+        if parts.hostname not in LOOPBACK:
+            raise ValueError(f"{url}: this load generator only targets loopback addresses")
+        self.host, self.port, self.path = parts.hostname, parts.port or 80, parts.path or "/"
+        self.extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        self.reader = self.writer = None
+
+    async def post(self, body: bytes, path: str | None = None) -> tuple[int, bytes]:
+        for attempt in (0, 1):
+            if self.writer is None:
+                self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+            head = (
+                f"POST {path or self.path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n{self.extra}\r\n"
+            ).encode()
+            try:
+                self.writer.write(head + body)
+                return await self._response()
+            except (ConnectionError, asyncio.IncompleteReadError):
+                await self.close()
+                if attempt:  # a fresh connection failed too: the server is gone
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _response(self) -> tuple[int, bytes]:
+        status_line = await self.reader.readuntil(b"\r\n")
+        status = int(status_line.split(b" ", 2)[1])
+        length, close = 0, False
+        while True:
+            line = await self.reader.readuntil(b"\r\n")
+            if line == b"\r\n":
+                break
+            name, _, value = line.partition(b":")
+            name = name.strip().lower()
+            if name == b"content-length":
+                length = int(value)
+            elif name == b"connection" and value.strip().lower() == b"close":
+                close = True
+        body = await self.reader.readexactly(length) if length else b""
+        if close:
+            await self.close()
+        return status, body
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            try:
+                await self.writer.wait_closed()
+            except (ConnectionError, OSError):
+                pass
+        self.reader = self.writer = None
+
+
+@dataclass
+class LoadResult:
+    sent: int = 0
+    answered: int = 0
+    transport_errors: int = 0
+    latencies_ms: list = field(default_factory=list)
+    statuses: dict = field(default_factory=dict)
+    wall_s: float = 0.0
+    client_cpu_s: float = 0.0
+
+    def percentile(self, q: float) -> float:
+        if not self.latencies_ms:
+            return float("nan")
+        data = sorted(self.latencies_ms)
+        return data[min(len(data) - 1, int(q / 100 * len(data)))]
+
+
+async def run_load(
+    url: str,
+    next_request: Callable[[int], tuple[bytes, Callable[[int, bytes], None] | None]],
+    concurrency: int,
+    duration_s: float,
+    max_requests: int,
+    headers: dict | None = None,
+    progress: Callable[[LoadResult, float], Awaitable[None] | None] | None = None,
+) -> LoadResult:
+    """``concurrency`` clients, each sending one request at a time until ``duration_s`` or
+    ``max_requests``. ``next_request(i)`` returns the body and a check called with the answer."""
+    result = LoadResult()
+    started = time.perf_counter()
+    deadline = started + duration_s
+    cpu0 = _cpu()
+    counter = iter(range(max_requests))
+
+    async def client():
+        conn = Connection(url, headers)
+        try:
+            for i in counter:
+                if time.perf_counter() >= deadline:
+                    break
+                body, check = next_request(i)
+                result.sent += 1
+                t0 = time.perf_counter()
+                try:
+                    status, answer = await conn.post(body)
+                except (ConnectionError, OSError, asyncio.IncompleteReadError):
+                    result.transport_errors += 1
+                    await asyncio.sleep(0.05)
+                    continue
+                result.latencies_ms.append((time.perf_counter() - t0) * 1000)
+                result.answered += 1
+                result.statuses[status] = result.statuses.get(status, 0) + 1
+                if check:
+                    check(status, answer)
+        finally:
+            await conn.close()
+
+    async def reporter():
+        while True:
+            await asyncio.sleep(10)
+            if progress:
+                progress(result, time.perf_counter() - started)
+
+    rep = asyncio.create_task(reporter())
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    rep.cancel()
+    result.wall_s = time.perf_counter() - started
+    result.client_cpu_s = _cpu() - cpu0
+    return result
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+

@@ -1,0 +1,199 @@
+#!/usr/bin/env python
+"""Soak: a bounded mixed good/bad load against a real TorchServe, every answer checked.
+
+    python scripts/soak.py --duration 600 --concurrency 64        # starts its own server
+    python scripts/soak.py --url http://127.0.0.1:8080 ...         # or uses a running one
+
+Good requests (one or several instances, multi-hot, random key subsets) are first scored one at
+a time; under load each answer must be 200 with those solo scores (to 1e-5). Bad requests must
+get their own 4xx. Reports requests sent, answered, wrong status, wrong scores and worker
+restarts (worker pids from the management API, polled throughout). Loopback only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loadgen import run_load  # noqa: E402
+from tsctl import ROOT, Server, get, post  # noqa: E402
+
+sys.path.insert(0, str(ROOT))
+
+
+def instance(rng: random.Random, features: list[str], rows: list[int], n_dense: int) -> dict:
+    keys = rng.sample(range(len(features)), rng.randint(0, len(features)))
+    bags = {features[f]: [rng.randrange(rows[f]) for _ in range(rng.randint(0, 4))] for f in keys}
+    return {
+        "dense": [round(rng.uniform(-2, 2), 4) for _ in range(n_dense)],
+        "sparse": {"keys": list(bags), "values": [i for b in bags.values() for i in b],
+                   "lengths": [len(b) for b in bags.values()]},
+    }
+
+
+def good_requests(rng, n, features, rows, n_dense) -> list[bytes]:
+    out = []
+    for _ in range(n):
+        if rng.random() < 0.6:
+            out.append(json.dumps(instance(rng, features, rows, n_dense)).encode())
+        else:
+            insts = [instance(rng, features, rows, n_dense) for _ in range(rng.randint(2, 16))]
+            out.append(json.dumps({"instances": insts}).encode())
+    return out
+
+
+def bad_requests(features, rows, n_dense) -> list[tuple[bytes, int]]:
+    ok = {"dense": [0.0] * n_dense, "sparse": {"keys": [features[0]], "values": [1], "lengths": [1]}}
+
+    def with_(**kw):
+        return json.dumps({**ok, "sparse": {**ok["sparse"], **kw}}).encode()
+
+    return [
+        (b"{", 400),
+        (b"", 400),
+        (b"\xff\xfe\x00", 400),
+        (b"[" * 100_000, 400),
+        (json.dumps({**ok, "dense": [1.0] * (n_dense + 1)}).encode(), 400),
+        (json.dumps({**ok, "dense": [True] * n_dense}).encode(), 400),
+        (with_(lengths=[-1]), 400),
+        (with_(values=[1, 2]), 400),
+        (with_(values=[rows[0]]), 400),
+        (with_(values=[2**64]), 400),
+        (with_(keys=["féature_0"]), 400),
+        (with_(keys=["x" * 10_000]), 400),
+        (json.dumps({"instances": []}).encode(), 400),
+        (json.dumps({"instances": [ok] * 4097}).encode(), 413),
+        (json.dumps({**ok, "sparse": {"keys": [features[0]], "values": [1] * 65_537, "lengths": [65_537]}}).encode(), 413),
+    ]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", help="a running TorchServe inference URL (default: start a private one on free ports)")
+    ap.add_argument("--management-url", help="its management URL, for worker pids (default: derived)")
+    ap.add_argument("--model", default="dlrm", help="model name (default: %(default)s)")
+    ap.add_argument("--config", default=str(ROOT / "model-config.yaml"), help="the model's config, for valid ids")
+    ap.add_argument("--model-store", default=str(ROOT / "model_store"), help="archives for a private server")
+    ap.add_argument("--concurrency", type=int, default=64, help="clients in flight (default: %(default)s)")
+    ap.add_argument("--duration", type=float, default=60, help="seconds of load (default: %(default)s)")
+    ap.add_argument("--max-requests", type=int, default=5_000_000, help="upper bound on requests sent")
+    ap.add_argument("--bad-fraction", type=float, default=0.25, help="share of bad requests (default: %(default)s)")
+    ap.add_argument("--pool", type=int, default=400, help="distinct good requests (default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="also write the report here")
+    args = ap.parse_args()
+
+    from dlrm_config import DLRMConfig
+
+    cfg = DLRMConfig.from_yaml(args.config)
+    features, rows = list(cfg.sparse_features), list(cfg.num_embeddings)
+    rng = random.Random(args.seed)
+
+    srv = None
+    if args.url:
+        url, mgmt = args.url.rstrip("/"), (args.management_url or args.url.replace(":8080", ":8081")).rstrip("/")
+    else:
+        home = Path(tempfile.mkdtemp(prefix="dlrm-soak-"))
+        srv = Server.on_free_ports(home, model_store=Path(args.model_store))
+        print(f"[soak] starting TorchServe from {args.model_store} (logs in {srv.log_dir})", flush=True)
+        srv.start()
+        url, mgmt = srv.url, srv.management_url
+    try:
+        pool = good_requests(rng, args.pool, features, rows, cfg.num_dense_features)
+        if srv:
+            srv.wait_ready(args.model, pool[0], timeout=300)
+        endpoint = f"{url}/predictions/{args.model}"
+        print(f"[soak] scoring {len(pool)} good requests one at a time", flush=True)
+        solo = []
+        for body in pool:
+            status, answer, _ = post(endpoint, body)
+            if status != 200:
+                raise SystemExit(f"[soak] a good request failed alone: HTTP {status} {answer[:200]!r}")
+            solo.append(json.loads(answer)["scores"])
+        bad = bad_requests(features, rows, cfg.num_dense_features)
+
+        pids_seen = set(worker_pids(mgmt, args.model))
+        start_pids = sorted(pids_seen)
+        wrong_status, wrong_scores, examples = 0, 0, []
+
+        def next_request(i):
+            nonlocal wrong_status, wrong_scores
+            if rng.random() < args.bad_fraction:
+                body, want = rng.choice(bad)
+                expected = None
+            else:
+                k = rng.randrange(len(pool))
+                body, want, expected = pool[k], 200, solo[k]
+
+            def check(status, answer):
+                nonlocal wrong_status, wrong_scores
+                if status != want:
+                    wrong_status += 1
+                    if len(examples) < 5:
+                        examples.append(f"want {want}, got {status}: {answer[:160]!r}")
+                    return
+                if expected is not None:
+                    got = json.loads(answer)["scores"]
+                    if len(got) != len(expected) or any(abs(a - b) > 1e-5 for a, b in zip(got, expected)):
+                        wrong_scores += 1
+                        if len(examples) < 5:
+                            examples.append(f"scores {got[:3]} != solo {expected[:3]}")
+                elif not json.loads(answer).get("message"):
+                    wrong_status += 1
+
+            return body, check
+
+        def progress(res, elapsed):
+            pids_seen.update(worker_pids(mgmt, args.model))
+            print(f"[soak] {elapsed:5.0f} s: sent {res.sent}, answered {res.answered}, wrong status "
+                  f"{wrong_status}, wrong scores {wrong_scores}, worker pids seen {len(pids_seen)}", flush=True)
+
+        print(f"[soak] {args.duration:.0f} s at concurrency {args.concurrency}, {args.bad_fraction:.0%} bad", flush=True)
+        res = asyncio.run(run_load(endpoint, next_request, args.concurrency, args.duration, args.max_requests,
+                                   progress=progress))
+        end_pids = worker_pids(mgmt, args.model)
+        pids_seen.update(end_pids)
+        report = {
+            "duration_s": round(res.wall_s, 1),
+            "concurrency": args.concurrency,
+            "sent": res.sent,
+            "answered": res.answered,
+            "lost": res.sent - res.answered,
+            "statuses": {str(k): v for k, v in sorted(res.statuses.items())},
+            "wrong_status": wrong_status,
+            "wrong_scores": wrong_scores,
+            "worker_restarts": len(pids_seen) - len(start_pids),
+            "worker_pids_start": start_pids,
+            "worker_pids_end": end_pids,
+            "requests_per_s": round(res.answered / res.wall_s, 1),
+            "latency_ms_p50_p99": [round(res.percentile(50), 1), round(res.percentile(99), 1)],
+            "client_cpu_s": round(res.client_cpu_s, 1),
+            "examples": examples,
+        }
+        print(json.dumps(report, indent=2))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        clean = report["lost"] == 0 and wrong_status == 0 and wrong_scores == 0 and report["worker_restarts"] == 0
+        print(f"[soak] {'PASS' if clean else 'FAIL'}: {report['lost']} lost, {wrong_status} wrong status, "
+              f"{wrong_scores} wrong scores, {report['worker_restarts']} worker restarts")
+        return 0 if clean else 1
+    finally:
+        if srv:
+            srv.stop()
+
+
+def worker_pids(mgmt: str, model: str) -> list[int]:
+    status, body, _ = get(f"{mgmt}/models/{model}")
+    if status != 200:
+        return []
+    return sorted(w["pid"] for m in json.loads(body) for w in m["workers"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
