@@ -5,7 +5,7 @@ PROPS   ?= config.properties
 MAR     := model_store/dlrm.mar
 SOURCES := dlrm_handler.py dlrm_factory.py dlrm_core.py dlrm_config.py dlrm_errors.py scripts/build_mar.py
 
-.PHONY: venv mar serve stop test unit integration clean FORCE
+.PHONY: venv mar serve stop test unit integration bench soak clean FORCE
 
 # Creates .venv and installs the pinned stack; a no-op once done (see scripts/install.sh).
 venv:
@@ -40,6 +40,15 @@ unit: venv
 
 integration: venv
 	$(PY) -m pytest -q -m integration
+
+# Benchmark (results/benchmark.{json,md,png}); see README "Performance". ~6 minutes.
+bench: venv
+	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) scripts/benchmark.py
+
+# Mixed good/bad load against a private TorchServe; every answer checked. See README.
+soak: venv $(MAR)
+	$(PY) scripts/soak.py --duration 600 --concurrency 64 --json results/soak.json
 
 clean: stop
 	rm -rf model_store .serve logs

@@ -1,0 +1,391 @@
+#!/usr/bin/env python
+"""Benchmark the serving path against the model's own speed and TorchServe's own ceiling.
+
+    python scripts/benchmark.py                  # what `make bench` runs; ~5-8 minutes
+    python scripts/benchmark.py --duration 3     # a quick look
+
+One run, one machine, four parts (the Criteo-layout config by default):
+  1. raw model forward: rows/s and p50/p99 per call at batch 1, 32, 128, 512;
+  2. the handler in-process (fake context, no server): microseconds per request and per row in
+     parse+validation, KJT collation, forward and response building;
+  3. served by a real TorchServe on 127.0.0.1: requests/s, rows/s, p50/p90/p99 and errors at
+     concurrency 1, 16, 64 for single-row and 128-row requests;
+  4. the same load against a trivial echo handler served with the same TorchServe settings.
+Writes results/benchmark.json, results/benchmark.md and results/benchmark.png, and checks the
+targets (ratios within this run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from loadgen import run_load  # noqa: E402
+from tsctl import ROOT, Server, post  # noqa: E402
+
+sys.path.insert(0, str(ROOT))
+
+BATCHES = (1, 32, 128, 512)
+CONCURRENCY = (1, 16, 64)
+RANKING_ROWS = 128
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# --- requests ------------------------------------------------------------------------------------
+
+def make_instance(cfg, rng: random.Random) -> dict:
+    """A Criteo-like row: every feature present, one id each (ids within the table)."""
+    return {
+        "dense": [round(rng.uniform(-2, 2), 4) for _ in range(cfg.num_dense_features)],
+        "sparse": {"keys": list(cfg.sparse_features),
+                   "values": [rng.randrange(n) for n in cfg.num_embeddings],
+                   "lengths": [1] * cfg.num_features},
+    }
+
+
+def make_body(cfg, rng, rows: int) -> bytes:
+    if rows == 1:
+        return json.dumps(make_instance(cfg, rng)).encode()
+    return json.dumps({"instances": [make_instance(cfg, rng) for _ in range(rows)]}).encode()
+
+
+# --- 1. raw forward ------------------------------------------------------------------------------
+
+def timed_calls(fn, min_s: float, max_calls: int = 2000) -> list[float]:
+    for _ in range(3):
+        fn()
+    out, t_end = [], time.perf_counter() + min_s
+    while time.perf_counter() < t_end and len(out) < max_calls:
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def pct(data, q):
+    data = sorted(data)
+    return data[min(len(data) - 1, int(q / 100 * len(data)))]
+
+
+def bench_raw(model, factory, cfg, seconds: float) -> list[dict]:
+    import torch
+
+    rows = []
+    rng = random.Random(1)
+    for b in BATCHES:
+        bodies = [make_instance(cfg, rng) for _ in range(b)]
+        dense = torch.tensor([i["dense"] for i in bodies], dtype=torch.float32)
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        values = torch.tensor([i["sparse"]["values"] for i in bodies], dtype=torch.int64).t().reshape(-1)
+        kjt = KeyedJaggedTensor(keys=list(cfg.sparse_features), values=values,
+                                lengths=torch.ones(cfg.num_features * b, dtype=torch.int64))
+
+        def call():
+            with torch.inference_mode():
+                model(dense, kjt)
+
+        t = timed_calls(call, seconds)
+        rows.append({"batch": b, "calls": len(t), "rows_per_s": round(b * len(t) / sum(t)),
+                     "p50_ms": round(pct(t, 50) * 1e3, 3), "p99_ms": round(pct(t, 99) * 1e3, 3)})
+        log(f"raw forward B={b}: {rows[-1]['rows_per_s']:,} rows/s, p50 {rows[-1]['p50_ms']} ms")
+    return rows
+
+
+# --- 2. handler in-process -----------------------------------------------------------------------
+
+class _Metrics:
+    def add_time(self, *a, **k):
+        pass
+
+    add_counter = add_metric = add_time
+
+
+class _Context:
+    """What the handler uses of TorchServe's Context; enough to run handle() in-process."""
+
+    def __init__(self, model_dir, handler_section):
+        self.system_properties = {"model_dir": str(model_dir), "gpu_id": None, "batch_size": 32}
+        self.manifest = {"model": {"modelName": "dlrm", "serializedFile": "dlrm.pt"}}
+        self.model_yaml_config = {"handler": handler_section}
+        self.metrics = _Metrics()
+        self.request_ids = {}
+
+    def set_response_status(self, code, phrase, idx=0):
+        raise AssertionError(f"benchmark request {idx} was refused: {code}")
+
+    def set_response_content_type(self, idx, value):
+        pass
+
+    def set_response_header(self, idx, key, value):
+        pass
+
+    def get_request_header(self, idx, key):
+        return None
+
+
+def bench_handler(handler, cfg, seconds: float) -> list[dict]:
+    """Whole handle() per batch, plus the same core stages timed one by one."""
+    from dlrm_core import collate, response_body, scores
+
+    out = []
+    rng = random.Random(2)
+    for n_req in (1, 32):
+        for rows in (1, RANKING_ROWS):
+            bodies = [make_body(cfg, rng, rows) for _ in range(n_req)]
+            data = [{"body": b} for b in bodies]
+            ctx = _Context(".", None)
+            handle = timed_calls(lambda: handler.handle(data, ctx), seconds / 2, 400)
+            stage = {"parse": [], "collate": [], "forward": [], "respond": []}
+
+            def staged_record():
+                t0 = time.perf_counter()
+                parsed = [handler.parser.parse(b) for b in bodies]
+                t1 = time.perf_counter()
+                batch, _ = collate(parsed, cfg, handler.device)
+                t2 = time.perf_counter()
+                s = scores(handler.model, batch, cfg)
+                t3 = time.perf_counter()
+                [response_body(x) for x in s]
+                t4 = time.perf_counter()
+                stage["parse"].append(t1 - t0)
+                stage["collate"].append(t2 - t1)
+                stage["forward"].append(t3 - t2)
+                stage["respond"].append(t4 - t3)
+
+            timed_calls(staged_record, seconds / 2, 400)
+            med = {k: statistics.median(v) * 1e6 for k, v in stage.items()}
+            total = statistics.median(handle) * 1e6
+            overhead = total - med["forward"]
+            n_rows = n_req * rows
+            row = {
+                "requests": n_req, "rows_per_request": rows,
+                **{f"{k}_us_per_request": round(v / n_req, 1) for k, v in med.items()},
+                **{f"{k}_us_per_row": round(v / n_rows, 2) for k, v in med.items()},
+                "handle_us": round(total), "forward_us": round(med["forward"]),
+                "overhead_share_of_forward": round(overhead / med["forward"], 3),
+            }
+            out.append(row)
+            log(f"handler {n_req} x {rows} rows: handle {total:,.0f} us, forward {med['forward']:,.0f} us, "
+                f"parse {med['parse']:,.0f}, collate {med['collate']:,.0f}, respond {med['respond']:,.0f} us")
+    return out
+
+
+# --- 3 + 4. served -------------------------------------------------------------------------------
+
+def build_archives(cfg_path: Path, store: Path) -> None:
+    """The DLRM archive, and an echo archive with the same TorchServe settings."""
+    import yaml
+
+    subprocess.run([sys.executable, str(HERE / "build_mar.py"), "--config", str(cfg_path),
+                    "--output-dir", str(store), "--force"], check=True)
+    doc = yaml.safe_load(cfg_path.read_text())
+    doc.pop("handler", None)
+    echo_cfg = store / "echo-config.yaml"
+    echo_cfg.write_text(yaml.safe_dump(doc))
+    subprocess.run([str(Path(sys.executable).parent / "torch-model-archiver"), "--model-name", "echo",
+                    "--version", "1.0", "--handler", str(HERE / "echo_handler.py"),
+                    "--config-file", str(echo_cfg), "--export-path", str(store), "--force"], check=True)
+
+
+def bench_served(srv: Server, model: str, bodies: dict, duration: float) -> list[dict]:
+    out = []
+    for rows, pool in bodies.items():
+        for c in CONCURRENCY:
+            url = f"{srv.url}/predictions/{model}"
+            errors = [0]
+
+            def next_request(i, pool=pool):
+                def check(status, _answer):
+                    if status != 200:
+                        errors[0] += 1
+                return pool[i % len(pool)], check
+
+            # warm-up, then the measured run
+            asyncio.run(run_load(url, next_request, c, min(2.0, duration), 100_000))
+            res = asyncio.run(run_load(url, next_request, c, duration, 2_000_000))
+            errs = errors[0] + res.transport_errors
+            row = {
+                "model": model, "rows_per_request": rows, "concurrency": c,
+                "requests": res.answered, "requests_per_s": round(res.answered / res.wall_s, 1),
+                "rows_per_s": round(res.answered * rows / res.wall_s),
+                "p50_ms": round(res.percentile(50), 2), "p90_ms": round(res.percentile(90), 2),
+                "p99_ms": round(res.percentile(99), 2), "errors": errs,
+                "client_cpu_share": round(res.client_cpu_s / res.wall_s, 2),
+            }
+            out.append(row)
+            log(f"{model} {rows}-row requests, c={c}: {row['requests_per_s']:,} req/s, {row['rows_per_s']:,} rows/s, "
+                f"p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms, errors {errs}, client CPU {row['client_cpu_share']} cores")
+    return out
+
+
+# --- report --------------------------------------------------------------------------------------
+
+def targets(raw, handler_rows, served) -> list[dict]:
+    def find(rows, **kw):
+        return next(r for r in rows if all(r[k] == v for k, v in kw.items()))
+
+    raw128, raw1 = find(raw, batch=RANKING_ROWS), find(raw, batch=1)
+    rank = find(served, model="dlrm", rows_per_request=RANKING_ROWS, concurrency=16)
+    single64 = find(served, model="dlrm", rows_per_request=1, concurrency=64)
+    echo64 = find(served, model="echo", rows_per_request=1, concurrency=64)
+    single1 = find(served, model="dlrm", rows_per_request=1, concurrency=1)
+    echo1 = find(served, model="echo", rows_per_request=1, concurrency=1)
+    h32 = find(handler_rows, requests=32, rows_per_request=1)
+    return [
+        {"target": "ranking (128-row) requests at c=16: served rows/s >= 0.5 x raw forward rows/s at B=128",
+         "value": round(rank["rows_per_s"] / raw128["rows_per_s"], 3), "bound": 0.5, "higher_is_better": True},
+        {"target": "single-row requests at c=64: served req/s >= 0.85 x echo ceiling",
+         "value": round(single64["requests_per_s"] / echo64["requests_per_s"], 3), "bound": 0.85,
+         "higher_is_better": True},
+        {"target": "c=1 single row: p50 <= 1.5 x (echo p50 + raw forward p50 at B=1)",
+         "value": round(single1["p50_ms"] / (echo1["p50_ms"] + raw1["p50_ms"]), 3), "bound": 1.5,
+         "higher_is_better": False},
+        {"target": "in-process overhead (all but forward) <= 25% of forward, 32 single-row requests",
+         "value": h32["overhead_share_of_forward"], "bound": 0.25, "higher_is_better": False},
+    ]
+
+
+def markdown(report) -> str:
+    m = report["machine"]
+    lines = [f"Machine: {m['cpus']} CPUs ({m['processor']}), torch {m['torch']}, {m['torch_threads']} torch threads; "
+             f"config `{report['config']}`; TorchServe batchSize {report['torchserve']['batchSize']}, "
+             f"maxBatchDelay {report['torchserve']['maxBatchDelay']} ms, {report['torchserve']['workers']} worker(s).", ""]
+    lines += ["**1. Raw forward**", "", "| batch | rows/s | p50 ms | p99 ms |", "|---:|---:|---:|---:|"]
+    lines += [f"| {r['batch']} | {r['rows_per_s']:,} | {r['p50_ms']} | {r['p99_ms']} |" for r in report["raw_forward"]]
+    lines += ["", "**2. Handler in-process** (µs per request; forward share in the last column)", "",
+              "| requests x rows | parse | collate | forward | respond | handle() total µs | overhead / forward |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in report["handler"]:
+        lines.append(f"| {r['requests']} x {r['rows_per_request']} | {r['parse_us_per_request']} | "
+                     f"{r['collate_us_per_request']} | {r['forward_us_per_request']} | {r['respond_us_per_request']} | "
+                     f"{r['handle_us']:,} | {r['overhead_share_of_forward']:.0%} |")
+    lines += ["", "**3-4. Served** (DLRM handler vs echo handler, same TorchServe settings)", "",
+              "| model | rows/request | concurrency | req/s | rows/s | p50 ms | p90 ms | p99 ms | errors | client CPU (cores) |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in report["served"]:
+        lines.append(f"| {r['model']} | {r['rows_per_request']} | {r['concurrency']} | {r['requests_per_s']:,} | "
+                     f"{r['rows_per_s']:,} | {r['p50_ms']} | {r['p90_ms']} | {r['p99_ms']} | {r['errors']} | "
+                     f"{r['client_cpu_share']} |")
+    lines += ["", "**Targets**", "", "| target | measured | bound | |", "|---|---:|---:|---|"]
+    for t in report["targets"]:
+        ok = t["value"] >= t["bound"] if t["higher_is_better"] else t["value"] <= t["bound"]
+        lines.append(f"| {t['target']} | {t['value']} | {t['bound']} | {'met' if ok else 'missed'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    raw = report["raw_forward"]
+    axes[0].plot([r["batch"] for r in raw], [r["rows_per_s"] for r in raw], "o-", label="raw forward")
+    for rows, style in ((1, "s--"), (RANKING_ROWS, "^--")):
+        pts = [r for r in report["served"] if r["model"] == "dlrm" and r["rows_per_request"] == rows]
+        axes[0].plot([r["concurrency"] * rows for r in pts], [r["rows_per_s"] for r in pts], style,
+                     label=f"served, {rows}-row requests (x: rows in flight)")
+    axes[0].set(xscale="log", xlabel="batch (rows)", ylabel="rows/s", title="Rows per second")
+    axes[0].legend(fontsize=8)
+    for ax, key, title in ((axes[1], "requests_per_s", "Requests/s, single-row"), (axes[2], "p99_ms", "p99 latency (ms), single-row")):
+        for model in ("dlrm", "echo"):
+            pts = [r for r in report["served"] if r["model"] == model and r["rows_per_request"] == 1]
+            ax.plot([r["concurrency"] for r in pts], [r[key] for r in pts], "o-", label=model)
+        ax.set(xscale="log", xlabel="concurrency", title=title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(ROOT / "model-config.criteo.yaml"), help="model config (default: %(default)s)")
+    ap.add_argument("--duration", type=float, default=10.0, help="seconds per served load point (default: %(default)s)")
+    ap.add_argument("--raw-seconds", type=float, default=2.0, help="seconds per raw/in-process point (default: %(default)s)")
+    ap.add_argument("--out", default=str(ROOT / "results"), help="output folder (default: %(default)s)")
+    args = ap.parse_args()
+
+    import torch
+    import yaml
+
+    from dlrm_config import DLRMConfig
+    from dlrm_factory import DLRMFactory
+    from dlrm_handler import TorchRecDLRMHandler
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_path = Path(args.config).resolve()
+    cfg = DLRMConfig.from_yaml(cfg_path)
+    ts_doc = yaml.safe_load(cfg_path.read_text())
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="dlrm-bench-") as tmp:
+        tmp = Path(tmp)
+        log(f"building archives from {cfg_path.name} (random weights)")
+        store = tmp / "store"
+        build_archives(cfg_path, store)
+
+        log("in-process: loading the model as the handler does")
+        subprocess.run(["unzip", "-q", "-o", str(store / "dlrm.mar"), "dlrm.pt", "-d", str(tmp / "model")], check=True)
+        handler = TorchRecDLRMHandler()
+        handler.initialize(_Context(tmp / "model", ts_doc["handler"]))
+        raw = bench_raw(handler.model, DLRMFactory(cfg), cfg, args.raw_seconds)
+        handler_rows = bench_handler(handler, cfg, args.raw_seconds * 2)
+        threads = torch.get_num_threads()
+        del handler
+
+        rng = random.Random(3)
+        bodies = {1: [make_body(cfg, rng, 1) for _ in range(256)],
+                  RANKING_ROWS: [make_body(cfg, rng, RANKING_ROWS) for _ in range(16)]}
+        srv = Server.on_free_ports(tmp / "home", model_store=store, overrides={"load_models": "dlrm=dlrm.mar,echo=echo.mar"})
+        log(f"starting TorchServe (logs in {srv.log_dir})")
+        srv.start()
+        try:
+            srv.wait_ready("dlrm", bodies[1][0], timeout=600)
+            srv.wait_ready("echo", bodies[1][0], timeout=120)
+            status, _, _ = post(f"{srv.url}/predictions/dlrm", bodies[RANKING_ROWS][0])
+            assert status == 200, status
+            served = bench_served(srv, "dlrm", bodies, args.duration)
+            served += bench_served(srv, "echo", bodies, args.duration)
+        finally:
+            srv.stop()
+
+    report = {
+        "command": "python scripts/benchmark.py " + " ".join(sys.argv[1:]),
+        "config": cfg_path.name,
+        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+                    "torch": torch.__version__, "torch_threads": threads},
+        "torchserve": {k: ts_doc.get(k) for k in ("batchSize", "maxBatchDelay")} | {"workers": ts_doc.get("minWorkers", 1)},
+        "raw_forward": raw, "handler": handler_rows, "served": served,
+        "wall_s": round(time.perf_counter() - started),
+    }
+    report["targets"] = targets(raw, handler_rows, served)
+    (out / "benchmark.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "benchmark.md").write_text(markdown(report))
+    try:
+        plot(report, out / "benchmark.png")
+    except ImportError:
+        log("matplotlib is not installed: no plot (pip install -e '.[bench]')")
+    print(markdown(report))
+    log(f"done in {report['wall_s']} s: {out}/benchmark.json, benchmark.md, benchmark.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
