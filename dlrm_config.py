@@ -41,6 +41,7 @@ class DLRMConfig:
     id_overflow: str = "error"  # an id >= rows: 400, or id % rows (the hashing trick)
     max_instances_per_request: int = 4096
     max_ids_per_request: int = 65536
+    torch_threads: int = 0  # intra-op threads per worker; 0 = the worker's share of the cores
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None) -> "DLRMConfig":
@@ -122,6 +123,12 @@ class DLRMConfig:
         for key, example in (("max_instances_per_request", "4096"), ("max_ids_per_request", "65536")):
             if key in raw:
                 values[key] = _positive_int(raw[key], key, example)
+        if "torch_threads" in raw and (isinstance(raw["torch_threads"], bool) or not isinstance(raw["torch_threads"], int)
+                                       or raw["torch_threads"] < 0):
+            raise ConfigError(
+                f"handler.torch_threads: expected 0 (auto) or a positive integer, got {raw['torch_threads']!r} "
+                "(e.g. torch_threads: 0)"
+            )
         return cls(**values)
 
     @classmethod

@@ -169,3 +169,29 @@ def test_build_script_rejects_a_mismatched_checkpoint(tmp_path, model):
         build_mar.main(["--config", str(config), "--output-dir", str(tmp_path), "--checkpoint", str(ckpt)])
     assert "table 'feature_0' has shape [21, 8], the config expects [20, 8]" in str(info.value)
     assert not (tmp_path / "dlrm.mar").exists()
+
+
+def test_large_batches_are_scored_in_groups_with_the_same_scores(handler, monkeypatch):
+    import dlrm_handler
+
+    reqs = [body({"instances": [instance([k] * 5, feature_0=[k]), instance([0] * 5, feature_1=[k])]}) for k in range(6)]
+    reqs.insert(3, body({"instances": [instance([1] * 5, feature_2=[j]) for j in range(7)]}))  # alone > cap
+    whole, _ = call(handler, reqs)
+    monkeypatch.setattr(dlrm_handler, "MAX_ROWS_PER_FORWARD", 5)
+    groups = handler.preprocess([{"body": r} for r in reqs])[0]
+    assert [sum(b.rows) for b, _ in groups] == [4, 2, 7, 4, 2]
+    split, _ = call(handler, reqs)
+    for a, b in zip(whole, split):
+        assert torch.allclose(torch.tensor(json.loads(a)["scores"]), torch.tensor(json.loads(b)["scores"]), atol=1e-5)
+
+
+def test_torch_threads_leave_a_core_for_the_frontend(monkeypatch):
+    from dlrm_handler import torch_threads
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert torch_threads(0, 1) == 1
+    assert torch_threads(3, 1) == 3  # configured wins
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert torch_threads(0, 1) == 15
+    assert torch_threads(0, 4) == 3
+    assert torch_threads(0, 32) == 1
