@@ -78,8 +78,19 @@ def default_version(srv) -> str:
     return json.loads(answer)[0]["modelVersion"]
 
 
+def settled(srv) -> dict[str, float]:
+    """The counters once the startup probes' metric lines have been read (no change in 0.5 s)."""
+    last = scrape(srv)
+    while True:
+        time.sleep(0.5)
+        now = scrape(srv)
+        if now == last:
+            return now
+        last = now
+
+
 def test_custom_metrics_appear_in_prometheus_text(server):
-    before = scrape(server)
+    before = settled(server)
     sent = [GOOD, body({"instances": [instance([0] * 5)] * 3}), b"{", OUT_OF_RANGE,
             body({"instances": [instance([0] * 5)] * 4097})]
     statuses = [predict(server, raw)[0] for raw in sent]  # one at a time: one batch each
