@@ -5,7 +5,7 @@ PROPS   ?= config.properties
 MAR     := model_store/dlrm.mar
 SOURCES := dlrm_handler.py dlrm_factory.py dlrm_core.py dlrm_config.py dlrm_errors.py scripts/build_mar.py
 
-.PHONY: venv mar serve stop test unit integration bench soak clean FORCE
+.PHONY: venv mar serve ready rollout rollback stop test unit integration bench soak clean FORCE
 
 # Creates .venv and installs the pinned stack; a no-op once done (see scripts/install.sh).
 venv:
@@ -27,6 +27,20 @@ mar: venv
 # Start TorchServe in the background (logs/), wait for the model, score a sample request.
 serve: venv $(MAR)
 	$(PY) scripts/serve.py start --properties $(PROPS) \
+	  $(if $(filter model-config.criteo.yaml,$(CONFIG)),--sample sample_requests/criteo.json)
+
+# Readiness probe of the server `make serve` started: exit 0 once the model scores a request.
+ready:
+	$(PY) scripts/serve.py ready \
+	  $(if $(filter model-config.criteo.yaml,$(CONFIG)),--sample sample_requests/criteo.json)
+
+# Build the next model version from CONFIG and roll it out with no downtime (README, Operations).
+rollout: venv
+	$(PY) scripts/rollout.py --config $(CONFIG) \
+	  $(if $(filter model-config.criteo.yaml,$(CONFIG)),--sample sample_requests/criteo.json)
+
+rollback: venv
+	$(PY) scripts/rollout.py --rollback \
 	  $(if $(filter model-config.criteo.yaml,$(CONFIG)),--sample sample_requests/criteo.json)
 
 stop: venv

@@ -9,12 +9,15 @@ exactly one class in it.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
+import re
 import time
 from abc import ABC
 
 import torch
+from ts.metrics.dimension import Dimension
 from ts.torch_handler.base_handler import BaseHandler
 from ts.utils.util import PredictionException
 
@@ -28,6 +31,12 @@ logger = logging.getLogger(__name__)
 JSON = "application/json"
 # Rows per forward pass at most; TorchServe's batch is split into groups of whole requests.
 MAX_ROWS_PER_FORWARD = 4096
+# TorchServe 0.12 answers every request with its own id in x-request-id, replacing any value the
+# handler sets there, so a client's X-Request-Id comes back under this name instead.
+# Request header names reach the handler with the client's spelling; these are the usual ones.
+CLIENT_ID_SPELLINGS = ("X-Request-Id", "x-request-id", "X-Request-ID", "X-REQUEST-ID")
+CLIENT_ID_ECHO = "X-Client-Request-Id"
+_CLIENT_ID = re.compile(r"[!-~]{1,128}")  # visible ASCII: safe to log and to send back
 
 
 class TorchRecDLRMHandler(BaseHandler, ABC):
@@ -63,10 +72,15 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
 
     def handle(self, data, context):
         """One TorchServe batch in, exactly one response per request out, in order."""
-        started = time.perf_counter()
+        t = [time.perf_counter()]
         self.context = context
-        out = self.postprocess(self.inference(self.preprocess(data)))
-        context.metrics.add_time("HandlerTime", round((time.perf_counter() - started) * 1000, 2), None, "ms")
+        pre = self.preprocess(data)
+        t.append(time.perf_counter())
+        scored = self.inference(pre)
+        t.append(time.perf_counter())
+        out = self.postprocess(scored)
+        t.append(time.perf_counter())
+        _record_metrics(context.metrics, len(data), pre[0], scored[1], t)
         return out
 
     def preprocess(self, data):
@@ -123,15 +137,36 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         ctx = self.context
         for i in range(n):
             ctx.set_response_content_type(i, JSON)
+            client_id = _client_request_id(ctx, i)
+            if client_id:
+                ctx.set_response_header(i, CLIENT_ID_ECHO, client_id)
             if i in results:
                 out.append(response_body(results[i]))
                 continue
             err = errors[i]
             ctx.set_response_status(err.status, err.phrase, i)
-            # Never log headers: they carry the client's token.
-            logger.info("rejected request %s (%d): %s", _request_id(ctx, i), err.status, err.message)
+            # Never log headers: they carry the client's token. The client's id is vetted ASCII.
+            logger.info("rejected request %s%s (%d): %s", _request_id(ctx, i),
+                        f" client {client_id}" if client_id else "", err.status, err.message)
             out.append(error_body(err))
         return out
+
+
+def _record_metrics(metrics, n_requests: int, batches: list, errors: dict, t: list[float]) -> None:
+    """One batch's counters; each is declared in metrics.yaml with exactly these dimensions
+    (TorchServe appends ModelName and Level) or TorchServe drops it. Fresh Dimension lists:
+    TorchServe's metrics API appends to the list it is given."""
+    metrics.add_time("HandlerTime", round((t[-1] - t[0]) * 1000, 2), None, "ms")
+    metrics.add_counter("dlrm_batches_total", 1, None, [])
+    metrics.add_counter("dlrm_requests_total", n_requests, None, [])
+    metrics.add_counter("dlrm_instances_total", sum(sum(b.rows) for b, _ in batches), None, [])
+    for phase, start, end in zip(("preprocess", "inference", "postprocess"), t, t[1:]):
+        metrics.add_metric(f"dlrm_{phase}_ms_total", round((end - start) * 1000, 3), "ms", None, [])
+    remapped = sum(b.remapped_ids for b, _ in batches)
+    if remapped:
+        metrics.add_counter("dlrm_remapped_ids_total", remapped, None, [])
+    for kind, count in collections.Counter(type(e).__name__ for e in errors.values()).items():
+        metrics.add_counter("dlrm_rejected_requests_total", count, None, [Dimension("ErrorType", kind)])
 
 
 def _body(row: dict, ctx, idx: int):
@@ -160,6 +195,15 @@ def torch_threads(configured: int, workers: int) -> int:
     if configured:
         return configured
     return max(1, ((os.cpu_count() or 1) - 1) // max(1, workers))
+
+
+def _client_request_id(ctx, idx: int) -> str | None:
+    """The client's X-Request-Id if it is a short visible-ASCII token, else None."""
+    for name in CLIENT_ID_SPELLINGS:
+        value = ctx.get_request_header(idx, name)
+        if value is not None:
+            return value if _CLIENT_ID.fullmatch(value) else None
+    return None
 
 
 def _request_id(ctx, idx):

@@ -2,6 +2,7 @@
 """Start TorchServe with the DLRM archive in the background, wait until it answers, show a score.
 
     python scripts/serve.py start      # what `make serve` runs (after building the archive)
+    python scripts/serve.py ready      # readiness probe: exit 0 if the model answers, else 1
     python scripts/serve.py stop       # what `make stop` runs
 
 State lives in .serve/ (pid file, key_file.json when token auth is on) and logs in logs/.
@@ -50,6 +51,19 @@ def start(args) -> int:
     return 0 if status == 200 else 1
 
 
+def ready(args) -> int:
+    """One readiness check of the running server (a Kubernetes exec readiness probe): the model
+    scores the sample request. Liveness is /ping; it cannot tell a failed model (README)."""
+    try:
+        srv = Server.attach(Path(args.home))
+    except FileNotFoundError as e:
+        print(f"[serve] not ready: {e}")
+        return 1
+    ok, _, seen = srv.ready(args.model, Path(args.sample).read_bytes(), timeout=args.probe_timeout)
+    print(f"[serve] {'ready' if ok else 'not ready'}: {srv.url}/predictions/{args.model}: {seen}")
+    return 0 if ok else 1
+
+
 def stop(args) -> int:
     srv = server(args)
     if not srv.running():
@@ -60,9 +74,9 @@ def stop(args) -> int:
     return 1 if srv.running() else 0
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("action", choices=["start", "stop"])
+    ap.add_argument("action", choices=["start", "ready", "stop"])
     ap.add_argument("--properties", default=str(ROOT / "config.properties"),
                     help="TorchServe config.properties (default: %(default)s)")
     ap.add_argument("--model-store", default=str(ROOT / "model_store"), help="folder of .mar files (default: %(default)s)")
@@ -70,8 +84,12 @@ def main() -> int:
     ap.add_argument("--sample", default=str(ROOT / "sample_requests" / "seed_single.json"),
                     help="request sent once the server is up (default: %(default)s)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds to wait for the model (default: %(default)s)")
-    args = ap.parse_args()
-    return start(args) if args.action == "start" else stop(args)
+    ap.add_argument("--home", default=str(ROOT / ".serve"),
+                    help="ready: the folder the server was started from (default: %(default)s)")
+    ap.add_argument("--probe-timeout", type=float, default=10,
+                    help="ready: seconds to wait for the answer (default: %(default)s)")
+    args = ap.parse_args(argv)
+    return {"start": start, "ready": ready, "stop": stop}[args.action](args)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from ``config.properties`` with the ports it was asked for.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -45,6 +46,15 @@ class Server:
     def __post_init__(self):
         self.home = Path(self.home).resolve()
         self.log_dir = Path(self.log_dir or self.home / "logs").resolve()
+
+    @classmethod
+    def attach(cls, home: Path) -> "Server":
+        """The server already started from ``home``: its ports, model store and keys, from the
+        properties file ``start`` wrote there (rollout.py and ``serve.py ready`` use this)."""
+        props = Path(home) / "config.properties"
+        if not props.is_file():
+            raise FileNotFoundError(f"no server was started from {home} ({props} is missing)")
+        return cls(home=home, properties=props, model_store=Path(read_properties(props)["model_store"]))
 
     @classmethod
     def on_free_ports(cls, home: Path, **kw) -> "Server":
@@ -139,21 +149,33 @@ class Server:
         except (OSError, ValueError):
             return False
 
+    def ready(self, model: str, probe: bytes, timeout: float = 30.0) -> tuple[bool, int, str]:
+        """Readiness, checked once: ``model`` (or ``model/version``) answers ``probe`` with 200
+        and finite scores. ``/ping`` says Healthy even when a model failed to load, so it cannot
+        tell. Returns (ready, HTTP status or 0 for no answer, what was seen)."""
+        try:
+            status, body, _ = post(f"{self.url}/predictions/{model}", probe, headers=self.auth(), timeout=timeout)
+        except OSError as e:
+            return False, 0, f"no answer: {e}"
+        if status != 200:
+            return False, status, f"HTTP {status}: {body[:200]!r}"
+        try:
+            answer = json.loads(body)
+            ok = len(answer["scores"]) > 0 and all(math.isfinite(s) for s in answer["scores"])
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        return (True, status, body.decode()) if ok else (False, status, f"HTTP 200 without scores: {body[:200]!r}")
+
     def wait_ready(self, model: str, probe: bytes, timeout: float = 180.0, progress=None) -> dict:
-        """Readiness: poll until ``model`` answers ``probe`` with 200 (``/ping`` says Healthy
-        even when a model failed to load). Returns the decoded answer."""
+        """Poll ``ready`` until it holds; returns the decoded answer."""
         deadline = time.monotonic() + timeout
         last = "no answer yet"
         while time.monotonic() < deadline:
             if not self.running():
                 raise RuntimeError(f"TorchServe exited during startup; see {self.log_dir}/torchserve.out and ts_log.log")
-            try:
-                status, body, _ = post(f"{self.url}/predictions/{model}", probe, headers=self.auth())
-                if status == 200:
-                    return json.loads(body)
-                last = f"HTTP {status}: {body[:200]!r}"
-            except OSError as e:
-                last = str(e)
+            ok, _, last = self.ready(model, probe)
+            if ok:
+                return json.loads(last)
             if progress and int(time.monotonic() - deadline + timeout) % 5 == 0:
                 progress(f"waiting for {model} to answer ({last})")
             time.sleep(1.0)
@@ -179,6 +201,11 @@ def post(url: str, body: bytes, content_type: str = "application/json", headers:
 
 def get(url: str, headers: dict | None = None, timeout: float = 30.0) -> tuple[int, bytes, dict]:
     return _send(urllib.request.Request(url, headers=headers or {}), timeout)
+
+
+def request(method: str, url: str, headers: dict | None = None, timeout: float = 30.0) -> tuple[int, bytes, dict]:
+    """A body-less PUT, DELETE, POST or GET, e.g. the management API's."""
+    return _send(urllib.request.Request(url, method=method, headers=headers or {}), timeout)
 
 
 def _send(req: urllib.request.Request, timeout: float) -> tuple[int, bytes, dict]:

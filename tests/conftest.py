@@ -50,14 +50,29 @@ def weights(tmp_path_factory, model) -> Path:
 
 
 class FakeMetrics:
+    """Records context.metrics calls: ``recorded`` as (name, value, unit), ``dimensions`` the
+    {name: value} of each call's own dimensions (TorchServe appends ModelName and Level)."""
+
     def __init__(self):
         self.recorded = []
+        self.dimensions = []
+
+    def _add(self, name, value, unit, dimensions):
+        self.recorded.append((name, value, unit))
+        self.dimensions.append({d.name: d.value for d in dimensions or []})
 
     def add_time(self, name, value, idx=None, unit="ms", dimensions=None, metric_type=None):
-        self.recorded.append((name, value, unit))
+        self._add(name, value, unit, dimensions)
 
     def add_counter(self, name, value, idx=None, dimensions=None):
-        self.recorded.append((name, value, "count"))
+        self._add(name, value, "count", dimensions)
+
+    def add_metric(self, name, value, unit, idx=None, dimensions=None, metric_type=None):
+        self._add(name, value, unit, dimensions)
+
+    def total(self, name, **dims):
+        """The sum of the values recorded for ``name`` with exactly these dimensions."""
+        return sum(v for (n, v, _), d in zip(self.recorded, self.dimensions) if n == name and d == dims)
 
 
 class FakeContext:
@@ -76,9 +91,13 @@ class FakeContext:
         self.statuses = {}
         self.content_types = {}
         self.headers = {}  # idx -> {name: value}
+        self.response_headers = {}  # idx -> {name: value}
 
     def get_request_header(self, idx, key):
         return self.headers.get(idx, {}).get(key)
+
+    def set_response_header(self, idx, key, value):
+        self.response_headers.setdefault(idx, {})[key] = value
 
     def set_response_status(self, code, phrase, idx=0):
         self.statuses[idx] = (code, phrase)

@@ -18,7 +18,8 @@ def test_development_config_binds_loopback_only():
     for key in ("inference_address", "management_address", "metrics_address"):
         assert DEV[key].startswith("http://127.0.0.1:"), key
     assert DEV["disable_token_authorization"] == "true"  # safe only because of the loopback binds
-    assert DEV["enable_model_api"] == "false"
+    # On for scripts/rollout.py: safe only because management is loopback and allowed_urls is ^$.
+    assert DEV["enable_model_api"] == "true"
 
 
 def test_production_config_turns_token_auth_on_and_keeps_management_local():

@@ -14,7 +14,7 @@ import yaml
 
 from conftest import ROOT
 from helpers import instance
-from tsctl import Server, get, post
+from tsctl import Server, get, post, request
 
 pytestmark = pytest.mark.integration
 
@@ -146,10 +146,30 @@ def test_bad_requests_in_a_batch_fail_alone_and_the_worker_survives(server):
     assert server.worker_pids("dlrm") == pids  # no worker died or restarted
 
 
-def test_management_and_metrics_are_loopback_only_and_model_api_is_off(server):
+def test_management_and_metrics_are_loopback_only_and_model_api_is_store_only(server):
     status, body, _ = get(f"{server.management_url}/models/dlrm")
     assert status == 200 and json.loads(body)[0]["modelName"] == "dlrm"
-    status, _, _ = post(f"{server.management_url}/models?url=dlrm.mar", b"")
-    assert status == 405  # enable_model_api=false: nobody registers archives over HTTP
+    # The model API is on (scripts/rollout.py) but loads only archives from the model store.
+    for url, why in [("http://127.0.0.1:9/dlrm.mar", "does not match any allowed URL"),
+                     ("file:///etc/dlrm.mar", "does not match any allowed URL"),
+                     ("missing.mar", "Model not found at: missing.mar")]:
+        status, body, _ = request("POST", f"{server.management_url}/models?url={url}")
+        assert status == 404 and why in json.loads(body)["message"], url
     status, body, _ = get(f"{server.metrics_url}/metrics")
     assert status == 200 and b"ts_inference_requests_total" in body
+
+
+def test_rollout_and_rollback_with_token_auth_off(server, tmp_path):
+    """scripts/rollout.py on the development config (tests/test_ops_server.py covers token auth
+    on, a rollout under load and broken archives). Leaves 1.0 serving, as it found it."""
+    import build_mar
+    import rollout
+
+    build_mar.main(["--output-dir", str(tmp_path), "--version", "1.1"])
+    (tmp_path / "dlrm.mar").rename(server.model_store / "dlrm-v1.1.mar")
+    assert server.token() is None
+    for args, want in [(["--archive", "dlrm-v1.1.mar"], "1.1"), (["--rollback"], "1.0")]:
+        assert rollout.main(["--home", str(server.home), "--timeout", "120", *args]) == 0, args
+        status, body, _ = get(f"{server.management_url}/models/dlrm/all")
+        assert [v["modelVersion"] for v in json.loads(body)] == [want]
+        assert predict(server, (SAMPLES / "seed_single.json").read_bytes())[0] == 200

@@ -1,0 +1,235 @@
+"""Integration, operations: Prometheus metrics, request tracing, readiness and rollouts on a real
+TorchServe (the production config: token authorization and the model API on, loopback ports)."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT
+from helpers import body, instance
+from test_server import SAMPLES, build_archive
+from tsctl import Server, get, post
+
+pytestmark = pytest.mark.integration
+
+PROBE = (SAMPLES / "seed_single.json").read_bytes()
+GOOD = body(instance([0.1, 0.2, 0.3, 0.4, 0.5], feature_0=[1, 2], feature_2=[999]))
+OUT_OF_RANGE = body(instance([0.1, 0.2, 0.3, 0.4, 0.5], feature_0=[1000, 2500]))  # tables of 1,000 rows
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ops")
+    store = build_archive(tmp)
+    srv = Server.on_free_ports(tmp / "home", properties=ROOT / "config.production.properties", model_store=store)
+    try:
+        srv.start()
+        srv.wait_ready("dlrm", PROBE, timeout=180)
+        yield srv
+    finally:
+        srv.stop()
+
+
+def predict(srv, raw: bytes, version: str = "", headers: dict | None = None):
+    url = f"{srv.url}/predictions/dlrm" + (f"/{version}" if version else "")
+    status, answer, hdrs = post(url, raw, headers={**srv.auth(), **(headers or {})})
+    return status, json.loads(answer), {k.lower(): v for k, v in hdrs.items()}
+
+
+def scrape(srv) -> dict[str, float]:
+    """dlrm_* samples of /metrics (Prometheus text, no token): {'name{labels}': value}."""
+    status, text, _ = get(f"{srv.metrics_url}/metrics")
+    assert status == 200
+    out = {}
+    for line in text.decode().splitlines():
+        m = re.match(r'(dlrm_\w+)\{(?:ErrorType="(\w+)",)?ModelName="dlrm",Level="Model",Hostname="[^"]*",\} (\S+)$',
+                     line)
+        if m:
+            out[m.group(1) + (f"[{m.group(2)}]" if m.group(2) else "")] = float(m.group(3))
+    return out
+
+
+def wait_for(srv, want: dict[str, float], before: dict[str, float], timeout: float = 10.0) -> dict[str, float]:
+    """The frontend reads the worker's metric lines asynchronously: poll until the counters
+    have moved by at least ``want``; the caller asserts exact values."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = scrape(srv)
+        if all(now.get(k, 0) - before.get(k, 0) >= v for k, v in want.items()) or time.monotonic() > deadline:
+            return {k: now.get(k, 0) - before.get(k, 0) for k in set(now) | set(want)}
+
+
+def versions(srv) -> list[tuple[str, str]]:
+    status, answer, _ = get(f"{srv.management_url}/models/dlrm/all", headers=srv.auth("management"))
+    assert status == 200, answer
+    return sorted((v["modelVersion"], v["modelUrl"]) for v in json.loads(answer))
+
+
+def default_version(srv) -> str:
+    status, answer, _ = get(f"{srv.management_url}/models/dlrm", headers=srv.auth("management"))
+    return json.loads(answer)[0]["modelVersion"]
+
+
+def settled(srv) -> dict[str, float]:
+    """The counters once the startup probes' metric lines have been read (no change in 0.5 s)."""
+    last = scrape(srv)
+    while True:
+        time.sleep(0.5)
+        now = scrape(srv)
+        if now == last:
+            return now
+        last = now
+
+
+def test_custom_metrics_appear_in_prometheus_text(server):
+    before = settled(server)
+    sent = [GOOD, body({"instances": [instance([0] * 5)] * 3}), b"{", OUT_OF_RANGE,
+            body({"instances": [instance([0] * 5)] * 4097})]
+    statuses = [predict(server, raw)[0] for raw in sent]  # one at a time: one batch each
+    assert statuses == [200, 200, 400, 400, 413]
+    delta = wait_for(server, {"dlrm_batches_total": 5, "dlrm_rejected_requests_total[PayloadTooLarge]": 1}, before)
+    assert delta["dlrm_batches_total"] == 5
+    assert delta["dlrm_requests_total"] == 5
+    assert delta["dlrm_instances_total"] == 4
+    assert delta["dlrm_rejected_requests_total[BadRequest]"] == 2
+    assert delta["dlrm_rejected_requests_total[PayloadTooLarge]"] == 1
+    assert delta.get("dlrm_remapped_ids_total", 0) == 0  # id_overflow: error here (see the rollout test)
+    for phase in ("preprocess", "inference", "postprocess"):
+        assert 0 < delta[f"dlrm_{phase}_ms_total"] < 30_000, phase
+    status, text, _ = get(f"{server.metrics_url}/metrics")
+    assert b"ts_inference_requests_total" in text and b"# TYPE dlrm_batches_total counter" in text
+
+
+def test_rejections_are_logged_with_both_request_ids_and_client_ids_are_echoed(server):
+    status, answer, headers = predict(server, b"{", headers={"X-Request-Id": "trace-7f3a"})
+    assert status == 400 and headers["x-client-request-id"] == "trace-7f3a"
+    ts_id = headers["x-request-id"]  # TorchServe's own id, never the client's
+    assert re.fullmatch(r"[0-9a-f-]{36}", ts_id)
+    status, _, headers = predict(server, GOOD, headers={"x-request-id": "trace-ok"})
+    assert status == 200 and headers["x-client-request-id"] == "trace-ok"
+    status, _, headers = predict(server, GOOD)
+    assert status == 200 and "x-client-request-id" not in headers
+    log = server.log_dir / "model_log.log"
+    deadline = time.monotonic() + 10
+    while f"rejected request {ts_id}" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    line = next(ln for ln in log.read_text().splitlines() if f"rejected request {ts_id}" in ln)
+    assert line.endswith(f"rejected request {ts_id} client trace-7f3a (400): body: expected a JSON object, "
+                         "got malformed JSON (input data was truncated)")
+    assert server.token("inference") not in log.read_text()
+
+
+def test_readiness_probe_and_liveness(server, capsys):
+    import serve
+
+    assert serve.main(["ready", "--home", str(server.home)]) == 0
+    assert "ready: " in capsys.readouterr().out
+    assert serve.main(["ready", "--home", str(server.home), "--model", "nope"]) == 1
+    assert "not ready: " in capsys.readouterr().out
+    status, answer, _ = get(f"{server.url}/ping", headers=server.auth())
+    assert status == 200 and json.loads(answer)["status"] == "Healthy"
+
+
+def test_rollout_under_load_loses_no_request(server, tmp_path):
+    """The default path: build version N+1 (2.0) from a model config, roll it out while clients
+    keep sending. 2.0 folds out-of-range ids (id_overflow: modulo), so it tells itself apart from
+    1.0, which answers them with 400."""
+    import rollout
+
+    assert default_version(server) == "1.0"
+    doc = yaml.safe_load((ROOT / "model-config.yaml").read_text())
+    doc["handler"]["id_overflow"] = "modulo"
+    config = tmp_path / "modulo.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    results, stop = [], threading.Event()
+
+    def client():
+        while not stop.is_set():
+            try:
+                status, answer, _ = predict(server, GOOD)
+                results.append(status if "scores" in answer else -1)
+            except OSError as e:  # a dropped or hung request counts as failed
+                results.append(repr(e))
+
+    clients = [threading.Thread(target=client) for _ in range(2)]
+    for c in clients:
+        c.start()
+    try:
+        time.sleep(0.5)
+        rc = rollout.main(["--home", str(server.home), "--config", str(config), "--timeout", "120"])
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        for c in clients:
+            c.join(timeout=60)
+    assert rc == 0
+    failed = [r for r in results if r != 200]
+    assert len(results) >= 20 and not failed, (len(results), failed[:5])
+    assert default_version(server) == "2.0"
+    assert versions(server) == [("2.0", "dlrm-v2.0.mar")]
+    before = scrape(server)
+    status, _, _ = predict(server, OUT_OF_RANGE)  # 2.0 folds ids; 1.0 answered 400
+    assert status == 200
+    assert wait_for(server, {"dlrm_remapped_ids_total": 2}, before)["dlrm_remapped_ids_total"] == 2
+    state = json.loads((server.home / "rollout.json").read_text())
+    assert state["previous"] == {"modelVersion": "1.0", "modelUrl": "dlrm.mar"}
+
+
+def broken_archives(srv, tmp: Path) -> dict[str, str]:
+    """Two ways to be broken, as version 3.0: weights that do not load; a model that loads but
+    cannot score the probe (13 dense features, the probe has 5)."""
+    import build_mar
+
+    src = srv.model_store / "dlrm.mar"
+    with zipfile.ZipFile(src) as z:
+        files = {n: z.read(n) for n in z.namelist()}
+    manifest = json.loads(files["MAR-INF/MANIFEST.json"])
+    manifest["model"]["modelVersion"] = "3.0"
+    files["MAR-INF/MANIFEST.json"] = json.dumps(manifest).encode()
+    files["dlrm.pt"] = b"not a checkpoint"
+    with zipfile.ZipFile(srv.model_store / "dlrm-unloadable.mar", "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+
+    doc = yaml.safe_load((ROOT / "model-config.yaml").read_text())
+    doc["handler"].update(num_dense_features=13)
+    config = tmp / "wide.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    build_mar.main(["--config", str(config), "--output-dir", str(tmp), "--version", "3.0"])
+    (tmp / "dlrm.mar").rename(srv.model_store / "dlrm-wrong-layout.mar")
+    return {"unloadable": "dlrm-unloadable.mar", "wrong layout": "dlrm-wrong-layout.mar"}
+
+
+def test_rollout_to_a_broken_archive_fails_cleanly(server, tmp_path, capsys):
+    import rollout
+
+    serving = default_version(server)
+    before = versions(server)
+    for why, archive in broken_archives(server, tmp_path).items():
+        assert rollout.main(["--home", str(server.home), "--archive", archive, "--timeout", "120"]) == 1, why
+        err = capsys.readouterr().err
+        assert f"dlrm {serving} is still serving" in err, (why, err)
+        assert ("register dlrm-unloadable.mar: HTTP 500" if why == "unloadable" else "verify 3.0: the probe got HTTP 400") \
+            in err, (why, err)
+        assert versions(server) == before, why  # nothing half-registered is left behind
+        assert default_version(server) == serving
+        assert predict(server, GOOD)[0] == 200
+
+
+def test_rollback_returns_to_the_previous_version(server):
+    import rollout
+
+    assert default_version(server) == "2.0"
+    assert rollout.main(["--home", str(server.home), "--rollback", "--timeout", "120"]) == 0
+    assert versions(server) == [("1.0", "dlrm.mar")]
+    assert predict(server, OUT_OF_RANGE)[0] == 400  # 1.0 again: ids are not folded
+    state = json.loads((server.home / "rollout.json").read_text())
+    assert state["previous"]["modelVersion"] == "2.0"  # a second --rollback goes forward again
