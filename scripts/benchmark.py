@@ -203,7 +203,9 @@ def build_archives(cfg_path: Path, store: Path) -> None:
                     "--config-file", str(echo_cfg), "--export-path", str(store), "--force"], check=True)
 
 
-def bench_served(srv: Server, model: str, bodies: dict, duration: float) -> list[dict]:
+def bench_served(srv: Server, model: str, bodies: dict, duration: float, profile_to: Path | None = None) -> list[dict]:
+    """Each (rows per request, concurrency) point; with ``profile_to``, py-spy samples the
+    worker during the single-row, highest-concurrency point."""
     out = []
     for rows, pool in bodies.items():
         for c in CONCURRENCY:
@@ -218,7 +220,13 @@ def bench_served(srv: Server, model: str, bodies: dict, duration: float) -> list
 
             # warm-up, then the measured run
             asyncio.run(run_load(url, next_request, c, min(2.0, duration), 100_000))
+            spy = None
+            if profile_to and rows == 1 and c == CONCURRENCY[-1]:
+                spy = start_profile(srv.worker_pids(model)[0], duration, profile_to)
             res = asyncio.run(run_load(url, next_request, c, duration, 2_000_000))
+            if spy:
+                spy.wait(timeout=60)
+                summarise_profile(profile_to)
             errs = errors[0] + res.transport_errors
             row = {
                 "model": model, "rows_per_request": rows, "concurrency": c,
@@ -232,6 +240,34 @@ def bench_served(srv: Server, model: str, bodies: dict, duration: float) -> list
             log(f"{model} {rows}-row requests, c={c}: {row['requests_per_s']:,} req/s, {row['rows_per_s']:,} rows/s, "
                 f"p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms, errors {errs}, client CPU {row['client_cpu_share']} cores")
     return out
+
+
+def start_profile(pid: int, seconds: float, raw: Path):
+    exe = Path(sys.executable).parent / "py-spy"
+    if not exe.exists():
+        log("py-spy is not installed: no worker profile (pip install -e '.[bench]')")
+        return None
+    return subprocess.Popen([str(exe), "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "200",
+                             "-f", "raw", "-o", str(raw), "--nonblocking"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def summarise_profile(raw: Path, top: int = 30) -> None:
+    """py-spy's folded stacks -> the share of samples under each frame (inclusive)."""
+    if not raw.exists():
+        return
+    total, inclusive = 0, {}
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack:
+            continue
+        total += int(n)
+        for frame in set(stack.split(";")):
+            inclusive[frame] = inclusive.get(frame, 0) + int(n)
+    lines = [f"# share of worker samples under each frame (py-spy, {total} samples)"]
+    lines += [f"{n / total:6.1%}  {f}" for f, n in sorted(inclusive.items(), key=lambda kv: -kv[1])[:top]]
+    raw.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+    raw.unlink()
 
 
 # --- report --------------------------------------------------------------------------------------
@@ -361,7 +397,7 @@ def main() -> int:
             srv.wait_ready("echo", bodies[1][0], timeout=120)
             status, _, _ = post(f"{srv.url}/predictions/dlrm", bodies[RANKING_ROWS][0])
             assert status == 200, status
-            served = bench_served(srv, "dlrm", bodies, args.duration)
+            served = bench_served(srv, "dlrm", bodies, args.duration, out / "profile-worker.raw")
             served += bench_served(srv, "echo", bodies, args.duration)
         finally:
             srv.stop()
