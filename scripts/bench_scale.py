@@ -5,8 +5,9 @@
     python scripts/bench_scale.py --parts speed load      # a subset
     python scripts/bench_scale.py --device cuda           # speed and load on a GPU
 
-Writes results/scale.json and results/scale.md (ratios in one run on one machine; absolute
-times move with the machine's load). Archives and servers live under results/tmp/ and are
+Writes results/scale.json and results/scale.md (a run of some --parts replaces those parts and
+keeps the others; each part's ratios come from one run on one machine, absolute times move with
+the machine's load). Archives and servers live under results/tmp/ and are
 deleted afterwards.
 
 speed    The Criteo-layout config (model-config.criteo.yaml) per dtype: rows/s and p50/p99 latency
@@ -153,13 +154,15 @@ def wait_quiet(limit_s: float = 120, busy: float = 30.0) -> None:
 # --- load cost vs size --------------------------------------------------------------------------
 
 LOAD_CHILD = r"""
-import json, resource, sys, time
+import json, sys, time
 sys.path[:0] = [sys.argv[1]]
 import psutil, torch
 from dlrm_config import DLRMConfig
 from dlrm_core import Batch, scores
 from dlrm_factory import DLRMFactory
 import yaml
+def hwm():  # this process's peak RSS (ru_maxrss would include the parent's: kept across exec)
+    return int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
 doc = yaml.safe_load(open(sys.argv[3]))
 cfg = DLRMConfig.from_dict(doc["handler"])
 p = psutil.Process()
@@ -168,7 +171,7 @@ t0 = time.perf_counter()
 model = DLRMFactory(cfg).load(sys.argv[2], sys.argv[4])
 load_s = time.perf_counter() - t0
 rss_loaded = p.memory_info().rss
-peak_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak_loaded = hwm()
 gen = torch.Generator().manual_seed(0)
 t0 = time.perf_counter()
 dense, kjt = DLRMFactory(cfg).probe_batch(256, gen)
@@ -180,7 +183,7 @@ for _ in range(199):
 m = p.memory_full_info()
 print(json.dumps({"load_s": load_s, "first_batch_s": first_s, "rss_before": rss0, "rss_loaded": rss_loaded,
                   "peak_loaded": peak_loaded, "rss_served": m.rss, "uss_served": m.uss,
-                  "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                  "peak": hwm()}))
 """
 
 
@@ -275,11 +278,15 @@ def bench_workers(tmp: Path, cap: int, counts: list[int]) -> dict:
 def _archive(build_mar, cfg_path: Path, weights: Path, store: Path) -> None:
     """build_mar.py's archive around already-written weights (rebuilding GBs per run is slow)."""
     store.mkdir(parents=True, exist_ok=True)
+    # The archiver stages files in $TMPDIR/<model name>: a private TMPDIR keeps concurrent
+    # builds of a "dlrm" on one machine from clobbering each other.
+    staging = store.parent / "archiver-tmp"
+    staging.mkdir(exist_ok=True)
     subprocess.run([str(Path(sys.executable).parent / "torch-model-archiver"), "--model-name", "dlrm",
                     "--version", "1.0", "--handler", str(ROOT / "dlrm_handler.py"), "--serialized-file", str(weights),
                     "--extra-files", ",".join(str(ROOT / f) for f in build_mar.EXTRA_FILES),
                     "--config-file", str(cfg_path), "--export-path", str(store), "--archive-format", "zip-store",
-                    "--force"], check=True)
+                    "--force"], check=True, env={**os.environ, "TMPDIR": str(staging)})
 
 
 # --- report -------------------------------------------------------------------------------------
@@ -333,7 +340,11 @@ def main(argv: list[str] | None = None) -> dict:
     out_dir = Path(args.out)
     tmp = out_dir / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
-    res: dict = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
+    name = "scale" if args.device == "cpu" else f"scale-{args.device.replace(':', '')}"
+    # A run of some parts replaces those parts in the results file and keeps the others.
+    previous = out_dir / f"{name}.json"
+    res: dict = json.loads(previous.read_text()) if previous.exists() else {}
+    res["machine"] = {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
     try:
         if "speed" in args.parts:
             res["speed"] = bench_speed(tmp, args.device, args.reps)
@@ -343,7 +354,6 @@ def main(argv: list[str] | None = None) -> dict:
             res["workers"] = bench_workers(tmp, args.caps[-1], args.workers)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # GBs of archives
-    name = "scale" if args.device == "cpu" else f"scale-{args.device.replace(':', '')}"
     (out_dir / f"{name}.json").write_text(json.dumps(res, indent=1))
     (out_dir / f"{name}.md").write_text(markdown(res))
     print(markdown(res))

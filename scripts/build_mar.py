@@ -12,6 +12,7 @@ shape does not match is an error that names the table.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -85,7 +86,9 @@ def main(argv: list[str] | None = None) -> Path:
             ]
             if args.force:
                 cmd.append("--force")
-            subprocess.run(cmd, check=True)
+            # The archiver stages files in $TMPDIR/<model name>; a private TMPDIR keeps two builds
+            # of the same model name on one machine (tests, benchmarks) from clobbering each other.
+            subprocess.run(cmd, check=True, env={**os.environ, "TMPDIR": tmp})
     except ConfigError as e:
         sys.exit(f"error: {e}")
     print(f"[build] {mar} ({mar.stat().st_size / 1e6:.1f} MB)")

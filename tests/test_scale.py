@@ -290,20 +290,22 @@ def test_sizing_script(tmp_path):
 # --- a big table, served without its fp32 copy --------------------------------------------------
 
 SERVE_BIG = textwrap.dedent("""
-    import json, resource, sys
+    import json, sys
     sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
     import torch
     from conftest import FakeContext, call
+    def hwm():  # this process's peak RSS (ru_maxrss would include the parent's: kept across exec)
+        return int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
     from dlrm_handler import TorchRecDLRMHandler
     section = json.loads(sys.argv[3])
-    peak0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak0 = hwm()
     h = TorchRecDLRMHandler()
     h.initialize(FakeContext(__import__("pathlib").Path(sys.argv[2]), section))
     req = {"dense": [0.1] * 5, "sparse": {"keys": ["feature_0", "feature_1"],
            "values": [9_999_999, 0, 5_000_000, 3], "lengths": [3, 1]}}
     bad = dict(req, sparse=dict(req["sparse"], values=[10_000_000, 0, 1, 3]))
     out, ctx = call(h, [json.dumps(req).encode(), json.dumps(bad).encode()], section)
-    peak1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak1 = hwm()
     print(json.dumps({"grew": peak1 - peak0, "out": [json.loads(o) for o in out],
                       "statuses": {str(k): v[0] for k, v in ctx.statuses.items()}}))
 """)
@@ -334,3 +336,54 @@ def test_ten_million_row_int8_table_is_served_without_its_fp32_copy(tmp_path):
     # even the int8 table (160 MB): its pages stay in the file until a row is read.
     assert report["grew"] < int8_table / 4, report["grew"]
     assert report["grew"] < fp32_table / 8
+
+
+# --- GPU (skipped without CUDA; run: .venv/bin/python -m pytest -q -m gpu) ------------------------
+
+def gpus(n: int):
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return pytest.mark.skipif(have < n, reason=f"needs {n} CUDA device(s), found {have}")
+
+
+@pytest.mark.gpu
+@gpus(1)
+@pytest.mark.parametrize("dtype", QUANTIZED)
+def test_quantized_model_on_one_gpu_matches_cpu(tmp_path, model, dtype):
+    path = archive(tmp_path, model, dtype)
+    dense, kjt = batch()
+    want = forward(DLRMFactory(tiny_config(embedding_dtype=dtype)).load(path), dense, kjt)
+    gpu = DLRMFactory(tiny_config(embedding_dtype=dtype)).load(path, "cuda:0")
+    got = forward(gpu, dense.cuda(), kjt.to(torch.device("cuda:0")))
+    assert torch.allclose(got.cpu(), want, atol=1e-4)
+
+
+@pytest.mark.gpu
+@gpus(2)
+@pytest.mark.parametrize("dtype", ["int8", "fp16", "fp32"])
+def test_tables_sharded_over_two_gpus_match_cpu(tmp_path, model, dtype):
+    path = archive(tmp_path, model, dtype) if dtype != "fp32" else _fp32(tmp_path, model)
+    cfg = tiny_config(embedding_dtype=dtype)
+    dense, kjt = batch()
+    want = forward(DLRMFactory(cfg).load(path) if dtype != "fp32" else model, dense, kjt)
+    sharded = DLRMFactory(cfg).load(path, ["cuda:0", "cuda:1"])
+    assert set(map(str, sharded_placement(sharded).values())) == {"cuda:0", "cuda:1"}
+    assert next(sharded.over_arch.parameters()).device == torch.device("cuda:0")
+    got = forward(sharded, dense.cuda(), kjt.to(torch.device("cuda:0")))
+    assert torch.allclose(got.cpu(), want, atol=1e-4)
+
+
+@pytest.mark.gpu
+@gpus(2)
+def test_handler_given_two_gpus_shards_and_still_checks_ids(tmp_path, model):
+    from dlrm_handler import TorchRecDLRMHandler
+
+    archive(tmp_path, model, "int8").rename(tmp_path / "dlrm.pt")
+    section = {**TINY, "embedding_dtype": "int8"}
+    ctx = FakeContext(tmp_path, section, gpu_id=0)
+    ctx.model_yaml_config.update(parallelType="custom", parallelLevel=2)
+    h = TorchRecDLRMHandler()
+    h.initialize(ctx)
+    assert set(map(str, sharded_placement(h.model).values())) == {"cuda:0", "cuda:1"}
+    out, c = call(h, [body(instance(DENSE, feature_0=[20])), body(instance(DENSE, feature_0=[19], feature_2=[39]))],
+                  section)
+    assert c.statuses == {0: (400, "Bad Request")} and 0 < json.loads(out[1])["score"] < 1
