@@ -16,8 +16,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dlrm_config import DLRMConfig
 from dlrm_errors import ConfigError
+from dlrm_scale import DTYPES, EBC, adopt_tables, copy_tables, fused_tables, quant_ebc, quantize, saved_state, shard
 
-_EBC_PREFIX = "sparse_arch.embedding_bag_collection.embedding_bags."
+_EBC_PREFIX = EBC + "embedding_bags."
 
 
 class DLRMFactory:
@@ -31,8 +32,12 @@ class DLRMFactory:
     def __init__(self, config: DLRMConfig):
         self.config = config
 
-    def tables(self) -> list[EmbeddingBagConfig]:
-        """One table per sparse feature, named after it: ``feature_0`` -> table ``feature_0``."""
+    def tables(self, dtype: str = "fp32") -> list[EmbeddingBagConfig]:
+        """One table per sparse feature, named after it: ``feature_0`` -> table ``feature_0``.
+
+        ``dtype`` (an ``embedding_dtype``) sets torchrec's ``data_type``: the quantized EBC reads
+        it; the fp32 EBC must get fp32 (it would build fp16 tables for anything else).
+        """
         c = self.config
         pooling = PoolingType.SUM if c.pooling == "sum" else PoolingType.MEAN
         return [
@@ -42,6 +47,7 @@ class DLRMFactory:
                 num_embeddings=rows,
                 feature_names=[name],
                 pooling=pooling,
+                data_type=DTYPES[dtype][0],
             )
             for name, rows in zip(c.sparse_features, c.num_embeddings)
         ]
@@ -54,7 +60,7 @@ class DLRMFactory:
         """
         c = self.config
         ebc = EmbeddingBagCollection(
-            tables=self.tables(), device=torch.device("meta" if tables_on_meta else device)
+            tables=self.tables("fp32"), device=torch.device("meta" if tables_on_meta else device)
         )
         return DLRM(
             embedding_bag_collection=ebc,
@@ -100,40 +106,83 @@ class DLRMFactory:
         values = (torch.rand(int(lengths.sum()), generator=gen) * rows).long()
         return dense, KeyedJaggedTensor(keys=list(c.sparse_features), values=values, lengths=lengths)
 
-    def load(self, weights: str | Path, device: torch.device | str = "cpu") -> DLRM:
-        """The DLRM with archived weights, on ``device``, in eval mode.
+    def archive_state(self, model: DLRM) -> dict[str, torch.Tensor]:
+        """What ``scripts/build_mar.py`` saves for a trained or random fp32 ``model``: its
+        state_dict, or for a quantized ``embedding_dtype`` torchrec's quantized state_dict
+        (tables as fbgemm rows with split scale/bias), so loading never sees fp32 tables."""
+        dtype = self.config.embedding_dtype
+        if dtype == "fp32":
+            return model.state_dict()
+        return saved_state(quantize(model, dtype))
 
-        Tables are built on ``meta`` and take the memory-mapped checkpoint tensors as they are
-        (``assign=True``), so peak memory stays about one model: nothing is allocated twice, and
-        on CPU the tables stay file-backed pages that workers of the same model share.
+    def load(self, weights: str | Path, device: torch.device | str | list = "cpu") -> torch.nn.Module:
+        """The DLRM with archived weights, in eval mode; ``device`` may be a list of devices.
+
+        One device: the tables are built without memory (``meta`` for fp32, an untouched buffer
+        for the quantized kernels) and take the memory-mapped archive tensors as they are, so
+        nothing is allocated twice and on CPU the tables stay file-backed pages that workers of
+        the same model share. Several devices: the tables are sharded table-wise across them
+        (``dlrm_scale.shard``), the dense part runs on the first.
         """
-        path = Path(weights)
-        if not path.is_file():
-            raise ConfigError(f"{path}: weights file not found (build the archive with scripts/build_mar.py)")
-        try:
-            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        except Exception as e:  # torch raises several types for a corrupt or foreign file
-            raise ConfigError(f"{path}: not a torch state_dict file ({type(e).__name__}: {e})") from None
+        devices = [torch.device(d) for d in (device if isinstance(device, (list, tuple)) else [device])]
+        dtype, sharded = self.config.embedding_dtype, len(devices) > 1
+        state = _read(weights)
+        if dtype == "fp32":
+            fp32 = self._load_fp32(state)
+            if not sharded:
+                return fp32.to(devices[0]).eval()
+            # Sharding needs torchrec's quantized kernels, of which fp32 is one type: their rows
+            # are the fp32 rows' bytes.
+            state = {k: v.view(torch.uint8) if k.startswith(_EBC_PREFIX) else v for k, v in fp32.state_dict().items()}
+        home = torch.device("cpu") if sharded else devices[0]
+        model = self.build("cpu", tables_on_meta=True)
+        # On CPU the kernels take the archive's buffer as theirs: no zero-filled copy first.
+        qebc = quant_ebc(self.tables(dtype), home, lazy=home.type == "cpu")
+        model.sparse_arch.embedding_bag_collection = qebc
+        dense = {k: v for k, v in model.state_dict().items() if not k.startswith(EBC)}
+        if dtype != "fp32":
+            self.check_state_dict(state, model, {**dense, **fused_tables(qebc)})
+        model.load_state_dict({k: v for k, v in state.items() if not k.startswith(EBC)}, strict=False, assign=True)
+        for part in (model.dense_arch, model.inter_arch, model.over_arch):
+            part.to(devices[0])
+        if not adopt_tables(qebc, state):
+            copy_tables(qebc, state)
+        return (shard(model, devices)[0] if sharded else model).eval()
+
+    def load_fp32(self, weights: str | Path) -> DLRM:
+        """A trained fp32 state_dict (``--checkpoint``), whatever ``embedding_dtype`` says, on CPU."""
+        return self._load_fp32(_read(weights)).eval()
+
+    def _load_fp32(self, state: object) -> DLRM:
         model = self.build("cpu", tables_on_meta=True)
         self.check_state_dict(state, model)
         model.load_state_dict(state, assign=True)
-        return model.to(torch.device(device)).eval()
+        return model
 
-    def check_state_dict(self, state: object, model: DLRM) -> None:
-        """Raise ConfigError naming the first table or layer whose name or shape does not fit."""
+    def check_state_dict(self, state: object, model: torch.nn.Module, expected: dict | None = None) -> None:
+        """Raise ConfigError naming the first table or layer whose name, shape or dtype does not
+        fit ``expected`` (default: ``model``'s state_dict)."""
         if not isinstance(state, dict):
             raise ConfigError(f"checkpoint: expected a state_dict (dict of tensors), got {type(state).__name__}")
-        expected = model.state_dict()
+        if expected is None:
+            expected = model.state_dict()
         for key, want in expected.items():
             what = _describe(key)
             if key not in state:
                 raise ConfigError(f"checkpoint: {what} is missing (key {key!r}); is it the same model config?")
             got = state[key]
+            if isinstance(got, torch.Tensor) and got.dtype != want.dtype:
+                raise ConfigError(
+                    f"checkpoint: {what} holds {str(got.dtype)[6:]} values, handler.embedding_dtype "
+                    f"{self.config.embedding_dtype} stores {str(want.dtype)[6:]}; build the archive with this "
+                    f"config (scripts/build_mar.py --checkpoint takes the fp32 state_dict)"
+                )
             if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
                 shape = list(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+                unit = "embedding_dim" if want.dtype == torch.float32 else "bytes per quantized row"
                 raise ConfigError(
                     f"checkpoint: {what} has shape {shape}, the config expects {list(want.shape)}"
-                    + (" (num_embeddings x embedding_dim)" if key.startswith(_EBC_PREFIX) else "")
+                    + (f" (num_embeddings x {unit})" if key.startswith(_EBC_PREFIX) else "")
                 )
         extra = sorted(set(state) - set(expected))
         if extra:
@@ -141,6 +190,17 @@ class DLRMFactory:
                 f"checkpoint: {_describe(extra[0])} is not in the model config (key {extra[0]!r}); "
                 f"add its feature to handler.sparse_features or drop it from the checkpoint"
             )
+
+
+def _read(weights: str | Path) -> object:
+    """The archived state_dict, memory-mapped: tensors are file-backed until written."""
+    path = Path(weights)
+    if not path.is_file():
+        raise ConfigError(f"{path}: weights file not found (build the archive with scripts/build_mar.py)")
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:  # torch raises several types for a corrupt or foreign file
+        raise ConfigError(f"{path}: not a torch state_dict file ({type(e).__name__}: {e})") from None
 
 
 def _describe(key: str) -> str:

@@ -25,6 +25,7 @@ from dlrm_config import DLRMConfig
 from dlrm_core import RequestParser, collate, error_body, response_body, scores
 from dlrm_errors import BadRequest, ConfigError, RequestError
 from dlrm_factory import DLRMFactory
+from dlrm_scale import worker_devices
 
 logger = logging.getLogger(__name__)
 
@@ -53,21 +54,23 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
                 "the archive has no weights: build it with scripts/build_mar.py "
                 "(torch-model-archiver --serialized-file dlrm.pt)"
             )
-        gpu_id = props.get("gpu_id")
-        if torch.cuda.is_available() and gpu_id is not None:
-            self.device = torch.device(f"cuda:{gpu_id}")
-        else:
-            self.device = torch.device("cpu")
+        # Several GPUs for one worker (parallelType: custom): the tables are sharded across
+        # them and the dense part and batches go to the first; otherwise one device.
+        cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        devices = worker_devices(props.get("gpu_id"), context.model_yaml_config, cuda)
+        self.device = devices[0]
         workers = (context.model_yaml_config or {}).get("maxWorkers") or 1
         torch.set_num_threads(torch_threads(self.config.torch_threads, workers))
         started = time.perf_counter()
-        self.model = DLRMFactory(self.config).load(os.path.join(model_dir, serialized), self.device)
+        self.model = DLRMFactory(self.config).load(os.path.join(model_dir, serialized), devices)
         self.parser = RequestParser(self.config)
         self.initialized = True
         logger.info(
-            "DLRM loaded on %s in %.1f s: %d dense, %d sparse features, %d embedding rows, output %s, %d torch threads",
-            self.device, time.perf_counter() - started, self.config.num_dense_features,
-            self.config.num_features, sum(self.config.num_embeddings), self.config.output, torch.get_num_threads(),
+            "DLRM loaded on %s in %.1f s: %d dense, %d sparse features, %d embedding rows (%s), output %s, "
+            "%d torch threads",
+            ", ".join(map(str, devices)) + (" (tables sharded)" if len(devices) > 1 else ""),
+            time.perf_counter() - started, self.config.num_dense_features, self.config.num_features,
+            sum(self.config.num_embeddings), self.config.embedding_dtype, self.config.output, torch.get_num_threads(),
         )
 
     def handle(self, data, context):

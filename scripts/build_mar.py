@@ -12,6 +12,7 @@ shape does not match is an error that names the table.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -22,14 +23,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 # Shipped beside the handler in the archive; TorchServe puts them on the worker's sys.path.
-EXTRA_FILES = ["dlrm_factory.py", "dlrm_core.py", "dlrm_config.py", "dlrm_errors.py"]
+EXTRA_FILES = ["dlrm_factory.py", "dlrm_core.py", "dlrm_config.py", "dlrm_errors.py", "dlrm_scale.py"]
 
 
 def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "model-config.yaml"),
                     help="model-config.yaml with a handler: section (default: %(default)s)")
-    ap.add_argument("--checkpoint", help="a trained DLRM state_dict (torch.save(model.state_dict(), path)); "
+    ap.add_argument("--checkpoint", help="a trained fp32 DLRM state_dict (torch.save(model.state_dict(), path)), "
+                    "quantized here when handler.embedding_dtype is fp16/int8/int4; "
                     "default: seeded random weights from handler.seed")
     ap.add_argument("--output-dir", default=str(ROOT / "model_store"), help="where the .mar goes (default: %(default)s)")
     ap.add_argument("--model-name", default="dlrm", help="archive and endpoint name (default: %(default)s)")
@@ -55,12 +57,17 @@ def main(argv: list[str] | None = None) -> Path:
             started = time.perf_counter()
             if args.checkpoint:
                 print(f"[build] checking {args.checkpoint} against {args.config}", flush=True)
-                # load() validates every table and layer; mmap keeps big checkpoints off the heap.
-                state = factory.load(args.checkpoint).state_dict()
+                # Validates every table and layer; mmap keeps big checkpoints off the heap.
+                model = factory.load_fp32(args.checkpoint)
             else:
                 print(f"[build] random weights, seed {config.seed}: {sum(config.num_embeddings):,} rows "
                       f"x D={config.embedding_dim}", flush=True)
-                state = factory.random().state_dict()
+                model = factory.random()
+            if config.embedding_dtype != "fp32":
+                print(f"[build] quantizing the tables to {config.embedding_dtype} (torchrec quantize_inference_model)",
+                      flush=True)
+            state = factory.archive_state(model)
+            del model
             torch.save(state, weights)
             print(f"[build] weights {weights.stat().st_size / 1e6:.1f} MB in {time.perf_counter() - started:.1f} s",
                   flush=True)
@@ -79,7 +86,9 @@ def main(argv: list[str] | None = None) -> Path:
             ]
             if args.force:
                 cmd.append("--force")
-            subprocess.run(cmd, check=True)
+            # The archiver stages files in $TMPDIR/<model name>; a private TMPDIR keeps two builds
+            # of the same model name on one machine (tests, benchmarks) from clobbering each other.
+            subprocess.run(cmd, check=True, env={**os.environ, "TMPDIR": tmp})
     except ConfigError as e:
         sys.exit(f"error: {e}")
     print(f"[build] {mar} ({mar.stat().st_size / 1e6:.1f} MB)")

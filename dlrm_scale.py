@@ -1,0 +1,250 @@
+"""Big tables: quantized embeddings, zero-copy loading, table-wise sharding, device choice, sizing.
+
+Everything here is torchrec's own machinery, wired for serving:
+
+* ``quantize``: ``torchrec.inference.modules.quantize_inference_model`` (fp16 / int8 / int4) with
+  the split scale/bias state_dict that torchrec's sharded modules load.
+* ``quant_ebc`` + ``adopt_tables``: the quantized EmbeddingBagCollection (one fbgemm
+  ``IntNBitTableBatchedEmbeddingBagsCodegen`` per pooling) built without filling its weight buffer,
+  which then takes the memory-mapped archive storage as that buffer: no copy, and workers of one
+  model on one machine share the pages.
+* ``shard``: ``shard_quant_model`` (``EmbeddingShardingPlanner`` + ``Topology`` + the sharded
+  quantized EBC), table-wise, then the archived state_dict loaded into the new kernels.
+* ``worker_devices``: which devices TorchServe gave this worker.
+* ``table_bytes``: exact bytes of a table per dtype, for the sizing script.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Mapping, Sequence
+
+import torch
+from fbgemm_gpu.split_embedding_configs import SparseType
+from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
+    align_to_cacheline,
+    rounded_row_size_in_bytes,
+)
+from torch.overrides import TorchFunctionMode
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
+from torchrec.quant.embedding_modules import DEFAULT_ROW_ALIGNMENT
+
+# handler.embedding_dtype -> (torchrec table data type, the dtype torchrec's quantizer takes)
+DTYPES: dict[str, tuple[DataType, torch.dtype]] = {
+    "fp32": (DataType.FP32, torch.float32),
+    "fp16": (DataType.FP16, torch.float16),
+    "int8": (DataType.INT8, torch.qint8),
+    "int4": (DataType.INT4, torch.quint4x2),
+}
+_SPARSE_TYPE = {"fp32": SparseType.FP32, "fp16": SparseType.FP16, "int8": SparseType.INT8, "int4": SparseType.INT4}
+EBC = "sparse_arch.embedding_bag_collection."
+_LAZY_MIN_BYTES = 1 << 20
+
+
+def table_bytes(rows: int, dim: int, dtype: str) -> int:
+    """Bytes one table takes in memory (and in the archive) as this kit stores it.
+
+    fp32 is a plain ``nn.EmbeddingBag`` (rows x D x 4). The quantized kinds are fbgemm rows:
+    D values, plus a 4-byte fp16 scale/bias for int8/int4, padded to 16 bytes, and the table
+    padded to a 128-byte cache line (what ``nbit_construct_split_state`` allocates).
+    """
+    if dtype == "fp32":
+        return rows * dim * 4
+    row = rounded_row_size_in_bytes(dim, _SPARSE_TYPE[dtype], DEFAULT_ROW_ALIGNMENT)
+    return align_to_cacheline(rows * row)
+
+
+def quantize(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
+    """Swap the fp32 EBC for torchrec's quantized one, in place (``quantize_inference_model``)."""
+    from torchrec.inference.modules import quantize_inference_model
+
+    return quantize_inference_model(model, quantization_dtype=DTYPES[dtype][1])
+
+
+def saved_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state_dict to archive from a ``quantize``d model: each table as fbgemm's fused rows
+    (uint8 ``[rows, row bytes]``: scale/bias + values + padding), all views of one kernel
+    buffer, so ``torch.save`` writes that buffer once, byte for byte as the kernel reads it.
+    Plain uint8 (no torchrec tensor subclass: ``torch.load(weights_only=True)`` reads it);
+    the kernels' bookkeeping buffers (``tbes.*``) are left out, the config rebuilds them."""
+    return {k: _plain(v) for k, v in model.state_dict().items() if ".tbes." not in k}
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    return t.elem if hasattr(t, "elem") else t  # torchrec's UInt4Tensor wraps the uint8 bytes
+
+
+class _NoHostZeroFill(TorchFunctionMode):
+    """fbgemm allocates a CPU table buffer with ``torch.zeros``, which touches every page; the
+    archive's pages replace it at once, so allocate it untouched instead (``torch.empty``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.zeros and kwargs.get("dtype") == torch.uint8 and args and isinstance(args[0], int) \
+                and args[0] >= _LAZY_MIN_BYTES and torch.device(kwargs.get("device") or "cpu").type == "cpu":
+            return torch.empty(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def quant_ebc(tables: Sequence[EmbeddingBagConfig], device: torch.device, lazy: bool = False):
+    """torchrec's quantized EBC for ``tables`` (their ``data_type`` set), with registered kernels
+    (fx keeps them as leaves) and the split scale/bias state_dict that sharding loads.
+    ``lazy``: leave the CPU weight buffer untouched; ``adopt_tables`` or ``copy_tables`` must
+    fill it."""
+    from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEBC
+
+    with _NoHostZeroFill() if lazy else contextlib.nullcontext():
+        return QuantEBC(list(tables), is_weighted=False, device=torch.device(device), register_tbes=True,
+                        quant_state_dict_split_scale_bias=True, cache_features_order=True)
+
+
+def fused_tables(qebc: torch.nn.Module, prefix: str = EBC) -> dict[str, torch.Tensor]:
+    """Archive key -> the kernel's fused rows of that table (a view of its weight buffer)."""
+    out = {}
+    for tables, tbe in zip(qebc._key_to_tables.values(), qebc._emb_modules):
+        for cfg, (rows, _, _) in zip(tables, tbe.split_embedding_weights_with_scale_bias(split_scale_bias_mode=0)):
+            out[f"{prefix}embedding_bags.{cfg.name}.weight"] = rows
+    return out
+
+
+def adopt_tables(qebc: torch.nn.Module, state: Mapping[str, torch.Tensor], prefix: str = EBC) -> bool:
+    """Make the archived table storage the kernels' own weight buffer, without copying.
+
+    Works when the archive holds each kernel's buffer as ``saved_state`` wrote it (the tables
+    are views of one storage at the kernel's offsets): ``torch.load(mmap=True)`` then hands
+    back that storage file-backed, and every worker of the model on this machine reads the
+    same page cache. Returns False (nothing changed) when the layout differs or the weights
+    live on a GPU; ``copy_tables`` then applies.
+    """
+    plans = []
+    for tables, tbe in zip(qebc._key_to_tables.values(), qebc._emb_modules):
+        if tbe.host_size == 0:
+            return False
+        storage = None
+        for cfg, (want, _, _) in zip(tables, tbe.split_embedding_weights_with_scale_bias(split_scale_bias_mode=0)):
+            got = state.get(f"{prefix}embedding_bags.{cfg.name}.weight")
+            if got is None or got.dtype != want.dtype or got.shape != want.shape or got.stride() != want.stride() \
+                    or got.storage_offset() != want.storage_offset():
+                return False
+            if storage is None:
+                storage = got.untyped_storage()
+            elif got.untyped_storage().data_ptr() != storage.data_ptr():
+                return False
+        if storage is None or storage.nbytes() != tbe.host_size:
+            return False
+        plans.append((tables, tbe, storage))
+    for tables, tbe, storage in plans:
+        tbe.weights_host = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+        _reregister(qebc, tables, tbe)
+    return True
+
+
+def copy_tables(qebc: torch.nn.Module, state: Mapping[str, torch.Tensor], prefix: str = EBC) -> None:
+    """Copy archived fused rows into the kernels' buffers (GPU, or a layout ``adopt_tables``
+    cannot take). A source row may be narrower than the kernel's padded row."""
+    with torch.no_grad():
+        for key, dst in fused_tables(qebc, prefix).items():
+            src = state[key]
+            dst[:, : src.shape[1]].copy_(src)
+
+
+def split_tables(qebc: torch.nn.Module, prefix: str = EBC) -> dict[str, torch.Tensor]:
+    """The tables in torchrec's split scale/bias state_dict format (views, no copy): what the
+    sharded quantized EBC loads for int8/int4."""
+    return {k: v for k, v in qebc.state_dict(prefix=prefix).items() if ".tbes." not in k}
+
+
+def _has_qparams(qebc: torch.nn.Module) -> bool:
+    return all(t.data_type in (DataType.INT8, DataType.INT4) for t in qebc.embedding_bag_configs())
+
+
+def _reregister(qebc, tables, tbe) -> None:
+    """Point the ``embedding_bags.<table>.*`` buffers at the new weight buffer, so state_dict
+    shows it and nothing keeps the old allocation alive."""
+    from torchrec.tensor_types import UInt4Tensor
+
+    for cfg, (w, scale, bias) in zip(tables, tbe.split_embedding_weights_with_scale_bias(split_scale_bias_mode=2)):
+        module = qebc.embedding_bags[cfg.name]
+        module.register_buffer("weight", UInt4Tensor(w) if cfg.data_type == DataType.INT4 else w)
+        if "weight_qscale" in module._buffers:
+            module.register_buffer("weight_qscale", scale)
+            module.register_buffer("weight_qbias", bias)
+
+
+def shard(model: torch.nn.Module, devices: Sequence[torch.device]) -> tuple[torch.nn.Module, Any]:
+    """Spread the quantized tables of ``model`` (loaded, on CPU) table-wise over ``devices``
+    with torchrec's planner and its sharded quantized EBC; rank r runs on ``devices[r]``, the
+    dense part stays where it is (``devices[0]``). Returns the model and torchrec's plan.
+
+    Sharding re-creates the kernels without weights, so the tables are then loaded in the
+    split scale/bias format, as views of the unsharded model's (memory-mapped) buffer. On
+    "cpu" devices in one process this is the same code path, which is how CI covers it.
+    """
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+    from torchrec.distributed.global_settings import set_propogate_device
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.types import ShardingType
+    from torchrec.inference.modules import shard_quant_model
+
+    kind = devices[0].type
+    # torchrec's input dist moves ids to CUDA unless told to keep the input's device
+    # (its own "BUG" comment in dist_data.py); needed for CPU "devices".
+    set_propogate_device(True)
+    from torchrec.distributed.fused_params import FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS
+    from torchrec.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
+    from torchrec.inference.modules import DEFAULT_FUSED_PARAMS
+
+    qebc = model.sparse_arch.embedding_bag_collection
+    # torchrec's default sharder stores split scale/bias, and fails for fp16/fp32 tables,
+    # which have none (torchrec 1.8 quant_state.py reads the missing qparam's shape):
+    # those are sharded with whole rows instead.
+    split = _has_qparams(qebc)
+    tables = split_tables(qebc) if split else fused_tables(qebc)
+    sharder = QuantEmbeddingBagCollectionSharder(
+        fused_params={**DEFAULT_FUSED_PARAMS, FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS: split})
+    constraints = {
+        t.name: ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value],
+                                     compute_kernels=[EmbeddingComputeKernel.QUANT.value])
+        for t in qebc.embedding_bag_configs()
+    }
+    sharded, plan = shard_quant_model(model, world_size=len(devices), compute_device=kind,
+                                       sharding_device=kind, sharders=[sharder], constraints=constraints)
+    result = sharded.load_state_dict(tables, strict=False)
+    missing = [k for k in result.missing_keys if k.startswith(EBC) and ".tbes." not in k]
+    if result.unexpected_keys or missing:
+        raise RuntimeError(f"the sharded tables did not take the weights: missing {missing[:3]}, "
+                           f"unexpected {result.unexpected_keys[:3]}")
+    return sharded, plan
+
+
+def sharded_placement(model: torch.nn.Module) -> dict[str, torch.device]:
+    """Table -> the device its kernel runs on, read from the sharded module."""
+    out = {}
+    for m in model.modules():
+        specs = getattr(m, "embedding_specs", None)
+        if specs is not None and hasattr(m, "current_device"):
+            for spec in specs:
+                out[spec[0]] = m.current_device
+    return out
+
+
+def worker_devices(gpu_id: Any, model_yaml: Mapping[str, Any] | None, cuda_count: int,
+                   env: Mapping[str, str] = os.environ) -> list[torch.device]:
+    """The devices TorchServe gave this worker, first = where the dense part and batches go.
+
+    * no CUDA, or TorchServe assigned no GPU: ``[cpu]``;
+    * ``parallelType: custom`` with ``parallelLevel: N``: TorchServe starts one process per
+      worker with ``CUDA_VISIBLE_DEVICES`` = its N ``deviceIds``, so they are ``cuda:0..N-1``
+      here (gpu_id is then a physical id and must not be used as an index);
+    * otherwise one GPU, ``cuda:<gpu_id>`` (BaseHandler's rule).
+    """
+    if cuda_count <= 0 or gpu_id is None:
+        return [torch.device("cpu")]
+    yaml = model_yaml or {}
+    level = yaml.get("parallelLevel")
+    if str(yaml.get("parallelType", "")).lower() == "custom" and isinstance(level, int) and level >= 1:
+        visible = env.get("CUDA_VISIBLE_DEVICES")
+        n = min(level, cuda_count, len(visible.split(",")) if visible else cuda_count)
+        return [torch.device(f"cuda:{i}") for i in range(n)]
+    return [torch.device(f"cuda:{int(gpu_id)}")]
