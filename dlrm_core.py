@@ -69,7 +69,7 @@ class _Request(_Instance, forbid_unknown_fields=True):
 _DECODER = msgspec.json.Decoder(_Request)
 
 
-@dataclass
+@dataclass(slots=True)
 class ParsedRequest:
     """One validated request of n rows, laid out for collation.
 
@@ -129,7 +129,10 @@ class RequestParser:
                 f"instances: at most {c.max_instances_per_request} instances per request "
                 f"(handler.max_instances_per_request), got {len(instances)}"
             )
-        n_ids = sum(len(i.sparse.values) if i.sparse is not None else len(i.id_list_values or ()) for i in instances)
+        if wrapped:
+            n_ids = sum(len(i.sparse.values) if i.sparse is not None else len(i.id_list_values or ()) for i in instances)
+        else:
+            n_ids = len(req.sparse.values) if req.sparse is not None else len(req.id_list_values or ())
         if n_ids > c.max_ids_per_request:
             raise PayloadTooLarge(
                 f"sparse.values: at most {c.max_ids_per_request} ids per request "

@@ -33,7 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from loadgen import run_load  # noqa: E402
-from tsctl import ROOT, Server, post  # noqa: E402
+from tsctl import ROOT, Server, get, post  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 
@@ -223,7 +223,13 @@ def bench_served(srv: Server, model: str, bodies: dict, duration: float, profile
             spy = None
             if profile_to and rows == 1 and c == CONCURRENCY[-1]:
                 spy = start_profile(srv.worker_pids(model)[0], duration, profile_to)
+            procs = {"frontend": [frontend_pid(srv)], "worker": srv.worker_pids(model)}
+            batches0 = (metric_value(srv, "dlrm_batches_total"), metric_value(srv, "dlrm_requests_total"))
+            cpu0 = {k: cpu_seconds(v) for k, v in procs.items()}
             res = asyncio.run(run_load(url, next_request, c, duration, 2_000_000))
+            cpu = {k: cpu_seconds(v) - cpu0[k] for k, v in procs.items()}
+            batches = metric_value(srv, "dlrm_batches_total") - batches0[0]
+            per_batch = (metric_value(srv, "dlrm_requests_total") - batches0[1]) / batches if batches else None
             if spy:
                 spy.wait(timeout=60)
                 summarise_profile(profile_to)
@@ -235,11 +241,41 @@ def bench_served(srv: Server, model: str, bodies: dict, duration: float, profile
                 "p50_ms": round(res.percentile(50), 2), "p90_ms": round(res.percentile(90), 2),
                 "p99_ms": round(res.percentile(99), 2), "errors": errs,
                 "client_cpu_share": round(res.client_cpu_s / res.wall_s, 2),
+                # CPU time per answered request: where the two cores go
+                "frontend_cpu_us_per_request": round(cpu["frontend"] / max(1, res.answered) * 1e6),
+                "worker_cpu_us_per_request": round(cpu["worker"] / max(1, res.answered) * 1e6),
+                # from the handler's own metrics (dlrm only): is TorchServe batching?
+                "requests_per_batch": round(per_batch, 1) if per_batch else None,
             }
             out.append(row)
             log(f"{model} {rows}-row requests, c={c}: {row['requests_per_s']:,} req/s, {row['rows_per_s']:,} rows/s, "
-                f"p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms, errors {errs}, client CPU {row['client_cpu_share']} cores")
+                f"p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms, errors {errs}, CPU us/request: frontend "
+                f"{row['frontend_cpu_us_per_request']}, worker {row['worker_cpu_us_per_request']}, "
+                f"client {row['client_cpu_share']} cores")
     return out
+
+
+def metric_value(srv: Server, name: str) -> float:
+    """A counter from TorchServe's Prometheus text (0 if absent, e.g. for the echo model)."""
+    import re
+
+    _, body, _ = get(f"{srv.metrics_url}/metrics")
+    m = re.search(rf"^{name}{{[^}}]*}} ([0-9.eE+-]+)$", body.decode(), re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def frontend_pid(srv: Server) -> int:
+    return int((srv.home / "tmp" / ".model_server.pid").read_text().split()[0])
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    import psutil  # comes with torchserve
+
+    total = 0.0
+    for pid in pids:
+        t = psutil.Process(pid).cpu_times()
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
 
 
 def start_profile(pid: int, seconds: float, raw: Path):
@@ -312,12 +348,14 @@ def markdown(report) -> str:
                      f"{r['collate_us_per_request']} | {r['forward_us_per_request']} | {r['respond_us_per_request']} | "
                      f"{r['handle_us']:,} | {r['overhead_share_of_forward']:.0%} |")
     lines += ["", "**3-4. Served** (DLRM handler vs echo handler, same TorchServe settings)", "",
-              "| model | rows/request | concurrency | req/s | rows/s | p50 ms | p90 ms | p99 ms | errors | client CPU (cores) |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| model | rows/request | concurrency | req/s | rows/s | p50 ms | p90 ms | p99 ms | errors | "
+              "CPU µs/request: frontend | worker | client CPU (cores) | requests/batch |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["served"]:
         lines.append(f"| {r['model']} | {r['rows_per_request']} | {r['concurrency']} | {r['requests_per_s']:,} | "
                      f"{r['rows_per_s']:,} | {r['p50_ms']} | {r['p90_ms']} | {r['p99_ms']} | {r['errors']} | "
-                     f"{r['client_cpu_share']} |")
+                     f"{r['frontend_cpu_us_per_request']} | {r['worker_cpu_us_per_request']} | {r['client_cpu_share']} | "
+                     f"{r['requests_per_batch'] or ''} |")
     lines += ["", "**Targets**", "", "| target | measured | bound | |", "|---|---:|---:|---|"]
     for t in report["targets"]:
         ok = t["value"] >= t["bound"] if t["higher_is_better"] else t["value"] <= t["bound"]
