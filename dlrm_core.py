@@ -217,15 +217,14 @@ def collate(
 ) -> tuple[Batch | None, dict[int, RequestError]]:
     """All rows of all requests -> one Batch; requests with an out-of-range id become errors.
 
-    A few tensor ops per batch, no loop over ids: segments (one key of one row) are sorted
-    key-major, and one gather reorders the ids. Returns (None, errors) when no request is left.
+    A few numpy ops per batch, no Python loop over ids. When some requests hold an out-of-range
+    id, the rest are collated again without them (that second pass is clean). Returns
+    (None, errors) when no request is left.
     """
     errors: dict[int, RequestError] = {}
     keep = list(range(len(requests)))
     while True:
-        batch, bad = _collate(
-            [requests[i] for i in keep], config, device
-        )
+        batch, bad = _collate([requests[i] for i in keep], config, device)
         if not bad:
             return batch, errors
         for j, err in bad.items():

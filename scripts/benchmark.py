@@ -200,7 +200,9 @@ def build_archives(cfg_path: Path, store: Path) -> None:
     echo_cfg.write_text(yaml.safe_dump(doc))
     subprocess.run([str(Path(sys.executable).parent / "torch-model-archiver"), "--model-name", "echo",
                     "--version", "1.0", "--handler", str(HERE / "echo_handler.py"),
-                    "--config-file", str(echo_cfg), "--export-path", str(store), "--force"], check=True)
+                    "--config-file", str(echo_cfg), "--export-path", str(store), "--force"], check=True,
+                   # the archiver stages (and first deletes) $TMPDIR/<model name>: keep it private
+                   env={**os.environ, "TMPDIR": str(store)})
 
 
 def bench_served(srv: Server, model: str, bodies: dict, duration: float, profile_to: Path | None = None) -> list[dict]:
