@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 CONFIG  ?= model-config.yaml
 PROPS   ?= config.properties
 MAR     := model_store/dlrm.mar
-SOURCES := dlrm_handler.py dlrm_factory.py dlrm_core.py dlrm_config.py dlrm_errors.py scripts/build_mar.py
+SOURCES := dlrm_handler.py dlrm_factory.py dlrm_core.py dlrm_config.py dlrm_errors.py dlrm_scale.py scripts/build_mar.py
 
 .PHONY: venv mar serve ready rollout rollback stop test unit integration bench soak clean FORCE
 
@@ -55,7 +55,7 @@ unit: venv
 integration: venv
 	$(PY) -m pytest -q -m integration
 
-# Benchmark (results/benchmark.{json,md,png}); see README "Performance". ~6 minutes.
+# Benchmark (results/benchmark.{json,md,png}); see README "Performance". ~3-5 minutes.
 bench: venv
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) scripts/benchmark.py
