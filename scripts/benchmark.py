@@ -104,16 +104,36 @@ def bench_raw(model, factory, cfg, seconds: float) -> list[dict]:
         rows.append({"batch": b, "calls": len(t), "rows_per_s": round(b * len(t) / sum(t)),
                      "p50_ms": round(pct(t, 50) * 1e3, 3), "p99_ms": round(pct(t, 99) * 1e3, 3)})
         log(f"raw forward B={b}: {rows[-1]['rows_per_s']:,} rows/s, p50 {rows[-1]['p50_ms']} ms")
+        if b == 1:
+            # The same call with the core idle 2 ms in between, as at concurrency 1 where the
+            # worker waits for each request: how much of that latency is a cache-cold forward.
+            def paced():
+                time.sleep(0.002)
+                t0 = time.perf_counter()
+                call()
+                return time.perf_counter() - t0
+
+            paced_t = [paced() for _ in range(max(50, int(seconds / 0.003)))]
+            rows[-1]["paced_2ms_p50_ms"] = round(pct(paced_t, 50) * 1e3, 3)
+            log(f"raw forward B=1, 2 ms apart: p50 {rows[-1]['paced_2ms_p50_ms']} ms")
     return rows
 
 
 # --- 2. handler in-process -----------------------------------------------------------------------
 
 class _Metrics:
+    """Keeps the handler's own timing of its last forward phase (dlrm_inference_ms_total)."""
+
+    inference_ms = 0.0
+
+    def add_metric(self, name, value, *a, **k):
+        if name == "dlrm_inference_ms_total":
+            self.inference_ms = value
+
     def add_time(self, *a, **k):
         pass
 
-    add_counter = add_metric = add_time
+    add_counter = add_time
 
 
 class _Context:
@@ -150,7 +170,18 @@ def bench_handler(handler, cfg, seconds: float) -> list[dict]:
             bodies = [make_body(cfg, rng, rows) for _ in range(n_req)]
             data = [{"body": b} for b in bodies]
             ctx = _Context(".", None)
-            handle = timed_calls(lambda: handler.handle(data, ctx), seconds / 2, 400)
+            # Overhead from the same calls: handle()'s wall time less the forward phase that the
+            # handler itself timed in that call (no noise from pairing separate samples).
+            paired = []
+
+            def handle_once():
+                t0 = time.perf_counter()
+                handler.handle(data, ctx)
+                wall = time.perf_counter() - t0
+                paired.append((wall, ctx.metrics.inference_ms / 1e3))
+
+            timed_calls(handle_once, seconds / 2, 400)
+            paired = paired[3:]  # timed_calls' warm-up calls
             stage = {"parse": [], "collate": [], "forward": [], "respond": []}
 
             def staged_record():
@@ -170,15 +201,15 @@ def bench_handler(handler, cfg, seconds: float) -> list[dict]:
 
             timed_calls(staged_record, seconds / 2, 400)
             med = {k: statistics.median(v) * 1e6 for k, v in stage.items()}
-            total = statistics.median(handle) * 1e6
-            overhead = total - med["forward"]
+            total = statistics.median(w for w, _ in paired) * 1e6
+            share = statistics.median((w - f) / f for w, f in paired)
             n_rows = n_req * rows
             row = {
                 "requests": n_req, "rows_per_request": rows,
                 **{f"{k}_us_per_request": round(v / n_req, 1) for k, v in med.items()},
                 **{f"{k}_us_per_row": round(v / n_rows, 2) for k, v in med.items()},
                 "handle_us": round(total), "forward_us": round(med["forward"]),
-                "overhead_share_of_forward": round(overhead / med["forward"], 3),
+                "overhead_share_of_forward": round(share, 3),
             }
             out.append(row)
             log(f"handler {n_req} x {rows} rows: handle {total:,.0f} us, forward {med['forward']:,.0f} us, "
@@ -223,8 +254,10 @@ def bench_served(srv: Server, model: str, bodies: dict, duration: float, profile
             # warm-up, then the measured run
             asyncio.run(run_load(url, next_request, c, min(2.0, duration), 100_000))
             spy = None
-            if profile_to and rows == 1 and c == CONCURRENCY[-1]:
-                spy = start_profile(srv.worker_pids(model)[0], duration, profile_to)
+            raw_profile = None
+            if profile_to and rows == 1 and c in (CONCURRENCY[0], CONCURRENCY[-1]):
+                raw_profile = profile_to.with_name(f"{profile_to.stem}-c{c}.raw")
+                spy = start_profile(srv.worker_pids(model)[0], duration, raw_profile)
             procs = {"frontend": [frontend_pid(srv)], "worker": srv.worker_pids(model)}
             batches0 = (metric_value(srv, "dlrm_batches_total"), metric_value(srv, "dlrm_requests_total"))
             cpu0 = {k: cpu_seconds(v) for k, v in procs.items()}
@@ -234,7 +267,7 @@ def bench_served(srv: Server, model: str, bodies: dict, duration: float, profile
             per_batch = (metric_value(srv, "dlrm_requests_total") - batches0[1]) / batches if batches else None
             if spy:
                 spy.wait(timeout=60)
-                summarise_profile(profile_to)
+                summarise_profile(raw_profile)
             errs = errors[0] + res.transport_errors
             row = {
                 "model": model, "rows_per_request": rows, "concurrency": c,
@@ -342,6 +375,9 @@ def markdown(report) -> str:
              f"maxBatchDelay {report['torchserve']['maxBatchDelay']} ms, {report['torchserve']['workers']} worker(s).", ""]
     lines += ["**1. Raw forward**", "", "| batch | rows/s | p50 ms | p99 ms |", "|---:|---:|---:|---:|"]
     lines += [f"| {r['batch']} | {r['rows_per_s']:,} | {r['p50_ms']} | {r['p99_ms']} |" for r in report["raw_forward"]]
+    paced = report["raw_forward"][0].get("paced_2ms_p50_ms")
+    if paced:
+        lines += ["", f"Batch 1 with the core idle 2 ms between calls (as at concurrency 1): p50 {paced} ms."]
     lines += ["", "**2. Handler in-process** (µs per request; forward share in the last column)", "",
               "| requests x rows | parse | collate | forward | respond | handle() total µs | overhead / forward |",
               "|---|---:|---:|---:|---:|---:|---:|"]
@@ -437,7 +473,7 @@ def main() -> int:
             srv.wait_ready("echo", bodies[1][0], timeout=120)
             status, _, _ = post(f"{srv.url}/predictions/dlrm", bodies[RANKING_ROWS][0])
             assert status == 200, status
-            served = bench_served(srv, "dlrm", bodies, args.duration, out / "profile-worker.raw")
+            served = bench_served(srv, "dlrm", bodies, args.duration, out / "profile-worker")
             served += bench_served(srv, "echo", bodies, args.duration)
         finally:
             srv.stop()
