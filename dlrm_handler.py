@@ -1,8 +1,8 @@
 """TorchServe handler for torchrec DLRM models.
 
 Thin wiring over the TorchServe-free core (``dlrm_core``): parse each request, collate the
-whole TorchServe batch into one dense tensor and one KeyedJaggedTensor, run one forward pass,
-and answer every request on its own: a bad request gets its own 4xx and JSON error body while
+whole TorchServe batch into one dense tensor and one KeyedJaggedTensor, run one forward pass
+(several for a batch of more than MAX_ROWS_PER_FORWARD rows), and answer every request on its own: a bad request gets its own 4xx and JSON error body while
 the good requests of the same batch get their scores. TorchServe imports this file and wants
 exactly one class in it.
 """
