@@ -179,8 +179,7 @@ def _body(row: dict, ctx, idx: int):
         if row.get(key) is not None:
             return row[key]
     try:
-        content_type = (ctx.get_request_header(idx, "Content-Type")
-                        or ctx.get_request_header(idx, "content-type") or "").lower()
+        content_type = (_header(ctx, idx, ("Content-Type", "content-type")) or "").lower()
     except Exception:  # header lookups differ across TorchServe versions and fakes
         content_type = ""
     if row or content_type.startswith(("application/x-www-form-urlencoded", "multipart/form-data")):
@@ -202,10 +201,17 @@ def torch_threads(configured: int, workers: int) -> int:
 
 def _client_request_id(ctx, idx: int) -> str | None:
     """The client's X-Request-Id if it is a short visible-ASCII token, else None."""
-    for name in CLIENT_ID_SPELLINGS:
+    value = _header(ctx, idx, CLIENT_ID_SPELLINGS)
+    return value if value is not None and _CLIENT_ID.fullmatch(value) else None
+
+
+def _header(ctx, idx: int, spellings) -> str | None:
+    """A request header under the first of its spellings the client used: TorchServe hands
+    header names over as the client spelled them."""
+    for name in spellings:
         value = ctx.get_request_header(idx, name)
         if value is not None:
-            return value if _CLIENT_ID.fullmatch(value) else None
+            return value
     return None
 
 

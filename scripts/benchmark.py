@@ -32,7 +32,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from loadgen import run_load  # noqa: E402
+from loadgen import percentile, run_load  # noqa: E402
 from tsctl import ROOT, Server, get, post  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
@@ -77,12 +77,7 @@ def timed_calls(fn, min_s: float, max_calls: int = 2000) -> list[float]:
     return out
 
 
-def pct(data, q):
-    data = sorted(data)
-    return data[min(len(data) - 1, int(q / 100 * len(data)))]
-
-
-def bench_raw(model, factory, cfg, seconds: float) -> list[dict]:
+def bench_raw(model, cfg, seconds: float) -> list[dict]:
     import torch
 
     rows = []
@@ -102,7 +97,7 @@ def bench_raw(model, factory, cfg, seconds: float) -> list[dict]:
 
         t = timed_calls(call, seconds)
         rows.append({"batch": b, "calls": len(t), "rows_per_s": round(b * len(t) / sum(t)),
-                     "p50_ms": round(pct(t, 50) * 1e3, 3), "p99_ms": round(pct(t, 99) * 1e3, 3)})
+                     "p50_ms": round(percentile(t, 50) * 1e3, 3), "p99_ms": round(percentile(t, 99) * 1e3, 3)})
         log(f"raw forward B={b}: {rows[-1]['rows_per_s']:,} rows/s, p50 {rows[-1]['p50_ms']} ms")
         if b == 1:
             # The same call with the core idle 2 ms in between, as at concurrency 1 where the
@@ -114,7 +109,7 @@ def bench_raw(model, factory, cfg, seconds: float) -> list[dict]:
                 return time.perf_counter() - t0
 
             paced_t = [paced() for _ in range(max(50, int(seconds / 0.003)))]
-            rows[-1]["paced_2ms_p50_ms"] = round(pct(paced_t, 50) * 1e3, 3)
+            rows[-1]["paced_2ms_p50_ms"] = round(percentile(paced_t, 50) * 1e3, 3)
             log(f"raw forward B=1, 2 ms apart: p50 {rows[-1]['paced_2ms_p50_ms']} ms")
     return rows
 
@@ -438,7 +433,6 @@ def main() -> int:
     import yaml
 
     from dlrm_config import DLRMConfig
-    from dlrm_factory import DLRMFactory
     from dlrm_handler import TorchRecDLRMHandler
 
     out = Path(args.out)
@@ -457,7 +451,7 @@ def main() -> int:
         subprocess.run(["unzip", "-q", "-o", str(store / "dlrm.mar"), "dlrm.pt", "-d", str(tmp / "model")], check=True)
         handler = TorchRecDLRMHandler()
         handler.initialize(_Context(tmp / "model", ts_doc["handler"]))
-        raw = bench_raw(handler.model, DLRMFactory(cfg), cfg, args.raw_seconds)
+        raw = bench_raw(handler.model, cfg, args.raw_seconds)
         handler_rows = bench_handler(handler, cfg, args.raw_seconds * 2)
         threads = torch.get_num_threads()
         del handler

@@ -84,10 +84,15 @@ class LoadResult:
     client_cpu_s: float = 0.0
 
     def percentile(self, q: float) -> float:
-        if not self.latencies_ms:
-            return float("nan")
-        data = sorted(self.latencies_ms)
-        return data[min(len(data) - 1, int(q / 100 * len(data)))]
+        return percentile(self.latencies_ms, q)
+
+
+def percentile(data, q: float) -> float:
+    """The q-th percentile (nearest rank) of ``data``; NaN when empty."""
+    if not data:
+        return float("nan")
+    data = sorted(data)
+    return data[min(len(data) - 1, int(q / 100 * len(data)))]
 
 
 async def run_load(

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loadgen import run_load  # noqa: E402
-from tsctl import ROOT, Server, get, post  # noqa: E402
+from tsctl import ROOT, Server, post, worker_pids  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 
@@ -118,12 +118,11 @@ def main() -> int:
             solo.append(json.loads(answer)["scores"])
         bad = bad_requests(features, rows, cfg.num_dense_features)
 
-        pids_seen = set(worker_pids(mgmt, args.model))
+        pids_seen = set(pids_or_none(mgmt, args.model))
         start_pids = sorted(pids_seen)
         wrong_status, wrong_scores, examples = 0, 0, []
 
         def next_request(i):
-            nonlocal wrong_status, wrong_scores
             if rng.random() < args.bad_fraction:
                 body, want = rng.choice(bad)
                 expected = None
@@ -150,14 +149,14 @@ def main() -> int:
             return body, check
 
         def progress(res, elapsed):
-            pids_seen.update(worker_pids(mgmt, args.model))
+            pids_seen.update(pids_or_none(mgmt, args.model))
             print(f"[soak] {elapsed:5.0f} s: sent {res.sent}, answered {res.answered}, wrong status "
                   f"{wrong_status}, wrong scores {wrong_scores}, worker pids seen {len(pids_seen)}", flush=True)
 
         print(f"[soak] {args.duration:.0f} s at concurrency {args.concurrency}, {args.bad_fraction:.0%} bad", flush=True)
         res = asyncio.run(run_load(endpoint, next_request, args.concurrency, args.duration, args.max_requests,
                                    progress=progress))
-        end_pids = worker_pids(mgmt, args.model)
+        end_pids = pids_or_none(mgmt, args.model)
         pids_seen.update(end_pids)
         report = {
             "duration_s": round(res.wall_s, 1),
@@ -188,11 +187,12 @@ def main() -> int:
             srv.stop()
 
 
-def worker_pids(mgmt: str, model: str) -> list[int]:
-    status, body, _ = get(f"{mgmt}/models/{model}")
-    if status != 200:
+def pids_or_none(mgmt: str, model: str) -> list[int]:
+    """Worker pids, or [] while the management API does not answer for the model."""
+    try:
+        return worker_pids(mgmt, model)
+    except (RuntimeError, OSError):
         return []
-    return sorted(w["pid"] for m in json.loads(body) for w in m["workers"])
 
 
 if __name__ == "__main__":

@@ -183,13 +183,18 @@ class Server:
 
     def worker_pids(self, model: str) -> list[int]:
         """The pids of the model's workers, from the management API."""
-        status, body, _ = get(f"{self.management_url}/models/{model}", headers=self.auth("management"))
-        if status != 200:
-            raise RuntimeError(f"GET /models/{model}: HTTP {status} {body[:200]!r}")
-        return sorted(w["pid"] for m in json.loads(body) for w in m["workers"])
+        return worker_pids(self.management_url, model, self.auth("management"))
 
     def wipe(self) -> None:
         shutil.rmtree(self.home, ignore_errors=True)
+
+
+def worker_pids(management_url: str, model: str, headers: dict | None = None) -> list[int]:
+    """The pids of a model's workers on any TorchServe, from its management API."""
+    status, body, _ = get(f"{management_url}/models/{model}", headers=headers)
+    if status != 200:
+        raise RuntimeError(f"GET /models/{model}: HTTP {status} {body[:200]!r}")
+    return sorted(w["pid"] for m in json.loads(body) for w in m["workers"])
 
 
 def post(url: str, body: bytes, content_type: str = "application/json", headers: dict | None = None,
