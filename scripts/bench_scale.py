@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import random
 import shutil
 import subprocess
 import sys

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, TINY, FakeContext, call
+from conftest import TINY, FakeContext, call
 from dlrm_core import RequestParser, collate, scores
 from dlrm_errors import ConfigError
 from helpers import DENSE, body, instance

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from conftest import ROOT
