@@ -46,6 +46,10 @@ class DLRMConfig:
     # How the archive stores the tables and the worker holds them: fp32 (nn.EmbeddingBag), or
     # torchrec's quantized kernels (fp16 2x, int8 ~3.2x, int4 ~5x smaller at D=64).
     embedding_dtype: str = "fp32"
+    # Which checkpoint table serves which feature when the names are neither <feature> nor
+    # t_<feature> (scripts/build_mar.py --checkpoint): (feature, table) pairs, from a list in
+    # sparse_features order or a mapping feature -> table. The archive names tables after features.
+    table_names: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None) -> "DLRMConfig":
@@ -139,6 +143,8 @@ class DLRMConfig:
                 f"handler.torch_threads: expected 0 (auto) or a positive integer, got {raw['torch_threads']!r} "
                 "(e.g. torch_threads: 0)"
             )
+        if "table_names" in raw:
+            values["table_names"] = _table_names(raw["table_names"], names)
         return cls(**values)
 
     @classmethod
@@ -171,3 +177,39 @@ def _layer_sizes(value: Any, key: str, example: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not value:
         raise ConfigError(f"handler.{key}: expected a list of layer sizes, got {value!r} (e.g. {key}: {example})")
     return tuple(_positive_int(v, f"{key}[{i}]", example) for i, v in enumerate(value))
+
+
+def _table_names(value: Any, features: list[str]) -> tuple[tuple[str, str], ...]:
+    """``handler.table_names`` as (feature, table) pairs: a list in sparse_features order, or a
+    mapping feature -> table (features left out keep the default lookup)."""
+    example = f"(e.g. table_names: {{{features[0]}: t_{features[0]}}})"
+    if isinstance(value, list):
+        if len(value) != len(features):
+            raise ConfigError(
+                f"handler.table_names: expected one table name per sparse feature ({len(features)}), "
+                f"got {len(value)} {example}"
+            )
+        pairs = list(zip(features, value))
+    elif isinstance(value, Mapping) and value:
+        stray = next((f for f in value if f not in features), None)
+        if stray is not None:
+            raise ConfigError(
+                f"handler.table_names: {stray!r} is not in handler.sparse_features "
+                f"(valid: {', '.join(features)}) {example}"
+            )
+        pairs = [(f, value[f]) for f in features if f in value]
+    else:
+        raise ConfigError(
+            "handler.table_names: expected a list of table names in sparse_features order or a mapping "
+            f"feature -> table name, got {value!r} {example}"
+        )
+    for feature, table in pairs:
+        if not isinstance(table, str) or not table:
+            raise ConfigError(
+                f"handler.table_names: feature {feature!r}: expected a non-empty table name, got {table!r} {example}"
+            )
+    tables = [t for _, t in pairs]
+    dup = next((t for t in tables if tables.count(t) > 1), None)
+    if dup is not None:
+        raise ConfigError(f"handler.table_names: table {dup!r} is named for two features; each feature has its own table")
+    return tuple(pairs)

@@ -149,9 +149,10 @@ class DLRMFactory:
             copy_tables(qebc, state)
         return (shard(model, devices)[0] if sharded else model).eval()
 
-    def load_fp32(self, weights: str | Path) -> DLRM:
-        """A trained fp32 state_dict (``--checkpoint``), whatever ``embedding_dtype`` says, on CPU."""
-        return self._load_fp32(_read(weights)).eval()
+    def load_fp32(self, state: dict[str, torch.Tensor]) -> DLRM:
+        """A trained fp32 state_dict (``--checkpoint``, via dlrm_checkpoint), whatever
+        ``embedding_dtype`` says, on CPU; its tensors become the model's (no copy)."""
+        return self._load_fp32(state).eval()
 
     def _load_fp32(self, state: object) -> DLRM:
         model = self.build("cpu", tables_on_meta=True)

@@ -4,9 +4,13 @@
     python scripts/build_mar.py                                  # seeded random weights
     python scripts/build_mar.py --checkpoint trained.pt          # your trained state_dict
     python scripts/build_mar.py --config model-config.criteo.yaml --force
+    python scripts/build_mar.py --checkpoint ckpt/ --write-config my.yaml   # a config that fits; builds nothing
+    python scripts/build_mar.py --config my.yaml --checkpoint ckpt/ --force
 
-The weights are checked against the config before anything is archived: a table whose name or
-shape does not match is an error that names the table.
+--checkpoint takes a .pt/.pth state_dict (or a dict holding one under model / model_state_dict /
+state_dict) or a torch.distributed.checkpoint directory, from DLRMTrain / DistributedModelParallel
+(dlrm_checkpoint.py). The weights are checked against the config before anything is archived: a
+key or table whose name or shape does not fit is an error that names it.
 """
 
 from __future__ import annotations
@@ -30,9 +34,12 @@ def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "model-config.yaml"),
                     help="model-config.yaml with a handler: section (default: %(default)s)")
-    ap.add_argument("--checkpoint", help="a trained fp32 DLRM state_dict (torch.save(model.state_dict(), path)), "
-                    "quantized here when handler.embedding_dtype is fp16/int8/int4; "
+    ap.add_argument("--checkpoint", help="a trained fp32 DLRM: a .pt/.pth state_dict file or a DCP directory "
+                    "(README \"Your trained model\"), quantized here when handler.embedding_dtype is fp16/int8/int4; "
                     "default: seeded random weights from handler.seed")
+    ap.add_argument("--write-config", metavar="OUT.yaml",
+                    help="with --checkpoint: write a complete model config derived from the checkpoint's keys "
+                    "and shapes to OUT.yaml, print what was derived and assumed, and build nothing")
     ap.add_argument("--output-dir", default=str(ROOT / "model_store"), help="where the .mar goes (default: %(default)s)")
     ap.add_argument("--model-name", default="dlrm", help="archive and endpoint name (default: %(default)s)")
     ap.add_argument("--version", default="1.0", help="model version recorded in the archive (default: %(default)s)")
@@ -41,10 +48,19 @@ def main(argv: list[str] | None = None) -> Path:
 
     import torch
 
+    from dlrm_checkpoint import import_checkpoint, write_config
     from dlrm_config import DLRMConfig
     from dlrm_errors import ConfigError
     from dlrm_factory import DLRMFactory
 
+    if args.write_config:
+        if not args.checkpoint:
+            ap.error("--write-config needs --checkpoint PATH")
+        try:
+            write_config(args.checkpoint, args.write_config)
+        except ConfigError as e:
+            sys.exit(f"error: {e}")
+        return Path(args.write_config)
     out_dir = Path(args.output_dir)
     mar = out_dir / f"{args.model_name}.mar"
     if mar.exists() and not args.force:
@@ -57,8 +73,9 @@ def main(argv: list[str] | None = None) -> Path:
             started = time.perf_counter()
             if args.checkpoint:
                 print(f"[build] checking {args.checkpoint} against {args.config}", flush=True)
-                # Validates every table and layer; mmap keeps big checkpoints off the heap.
-                model = factory.load_fp32(args.checkpoint)
+                # Every key and shape is checked before any data is read; a file is memory-mapped, a
+                # DCP directory read into one full-size tensor per key.
+                model = factory.load_fp32(import_checkpoint(args.checkpoint, config))
             else:
                 print(f"[build] random weights, seed {config.seed}: {sum(config.num_embeddings):,} rows "
                       f"x D={config.embedding_dim}", flush=True)

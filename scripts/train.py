@@ -1,0 +1,233 @@
+#!/usr/bin/env python
+"""Train a small torchrec DLRM the way torchrec's DLRM example does, and save a DCP checkpoint.
+
+    python scripts/train.py --out trained/                       # dot interaction, 2 ranks
+    python scripts/train.py --out trained/ --interaction dcn --world-size 1
+    python scripts/train.py --out trained/ --tsv day_0.tsv       # Criteo-format rows
+
+The model is ``DLRMTrain(DLRM | DLRM_DCN | DLRM_Projection)`` with tables ``t_<feature>``, wrapped
+in ``DistributedModelParallel`` over ``--world-size`` CPU processes (gloo). ``--out`` gets:
+
+- ``checkpoint/``: ``torch.distributed.checkpoint.save`` of the DMP model's state_dict (the tables
+  as ShardedTensor shards, one ``__<rank>_*.distcp`` file per rank, plus ``.metadata``);
+- ``heldout.json``: held-out rows never trained on, as serving requests (``dense``, ``sparse``
+  keys/values/lengths), their labels, and the trained model's own scores (sigmoid of the logit)
+  computed here, in eval mode, through the same DMP model: what a server of this checkpoint must
+  answer.
+
+Synthetic clicks (the default) carry a learnable signal: the click probability is
+sigmoid(dense . w + sum over features of a per-id effect), with w and the effects drawn from
+``--seed``; every rank draws the same stream and trains on its own slice of each batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="folder for checkpoint/ and heldout.json")
+    ap.add_argument("--world-size", type=int, default=2, choices=[1, 2], help="trainer processes (default: %(default)s)")
+    ap.add_argument("--interaction", default="dot", choices=["dot", "dcn", "projection"],
+                    help="torchrec DLRM, DLRM_DCN or DLRM_Projection (default: %(default)s)")
+    ap.add_argument("--num-dense", type=int, default=13, help="dense features int_0.. (default: %(default)s)")
+    ap.add_argument("--num-sparse", type=int, default=4, help="sparse features cat_0.. (default: %(default)s)")
+    ap.add_argument("--rows", type=int, default=100, help="rows per table (default: %(default)s)")
+    ap.add_argument("--dim", type=int, default=8, help="embedding_dim D (default: %(default)s)")
+    ap.add_argument("--dense-arch", default="32,8", help="dense arch sizes, last = D (default: %(default)s)")
+    ap.add_argument("--over-arch", default="32,16,1", help="over arch sizes, last = 1 (default: %(default)s)")
+    ap.add_argument("--dcn-num-layers", type=int, default=2, help="dcn: cross layers (default: %(default)s)")
+    ap.add_argument("--dcn-low-rank-dim", type=int, default=4, help="dcn: low rank (default: %(default)s)")
+    ap.add_argument("--branch1", default="16,8", help="projection: branch 1 sizes (default: %(default)s)")
+    ap.add_argument("--branch2", default="16,8", help="projection: branch 2 sizes (default: %(default)s)")
+    ap.add_argument("--steps", type=int, default=300, help="training steps (default: %(default)s)")
+    ap.add_argument("--batch-size", type=int, default=256, help="global batch per step (default: %(default)s)")
+    ap.add_argument("--lr", type=float, default=0.05, help="Adagrad learning rate (default: %(default)s)")
+    ap.add_argument("--heldout", type=int, default=1000, help="held-out rows (default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=0, help="data and init seed (default: %(default)s)")
+    ap.add_argument("--tsv", help="Criteo-format TSV (label, 13 ints, 26 hex ids) instead of synthetic clicks; "
+                    "dense log(max(x,0)+1), ids int(hex,16) %% rows; the last --heldout rows are held out")
+    args = ap.parse_args(argv)
+    args.dense_arch = [int(x) for x in args.dense_arch.split(",")]
+    args.over_arch = [int(x) for x in args.over_arch.split(",")]
+    args.branch1 = [int(x) for x in args.branch1.split(",")]
+    args.branch2 = [int(x) for x in args.branch2.split(",")]
+    if args.tsv:
+        args.num_dense, args.num_sparse = 13, 26
+    if args.dense_arch[-1] != args.dim:
+        ap.error(f"--dense-arch must end in --dim ({args.dim}), got {args.dense_arch}")
+    return args
+
+
+def features(args) -> tuple[list[str], list[str]]:
+    """torchrec's Criteo names: dense int_0.., sparse cat_0.. (tables t_cat_0..)."""
+    return [f"int_{i}" for i in range(args.num_dense)], [f"cat_{i}" for i in range(args.num_sparse)]
+
+
+class Clicks:
+    """Rows as (dense [N, num_dense], ids [N, F] one id per feature, labels [N])."""
+
+    def __init__(self, args):
+        self.args = args
+        if args.tsv:
+            self.dense, self.ids, self.labels = self._read_tsv(Path(args.tsv))
+            return
+        n = args.steps * args.batch_size + args.heldout
+        gen = torch.Generator().manual_seed(args.seed)
+        w = torch.randn(args.num_dense, generator=gen) / math.sqrt(args.num_dense)
+        effect = torch.randn(args.num_sparse, args.rows, generator=gen)
+        self.dense = torch.randn(n, args.num_dense, generator=gen)
+        self.ids = torch.randint(0, args.rows, (n, args.num_sparse), generator=gen)
+        logit = 1.5 * (self.dense @ w + effect.gather(1, self.ids.T).sum(0) / math.sqrt(args.num_sparse))
+        self.labels = torch.bernoulli(torch.sigmoid(logit), generator=gen)
+
+    def _read_tsv(self, path: Path):
+        dense, ids, labels = [], [], []
+        for line in path.read_text().splitlines():
+            cols = line.split("\t")
+            labels.append(float(cols[0]))
+            dense.append([math.log(max(int(x or "0"), 0) + 1) for x in cols[1:14]])
+            ids.append([int(x or "0", 16) % self.args.rows for x in cols[14:40]])
+        return torch.tensor(dense), torch.tensor(ids), torch.tensor(labels)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def batch(self, lo: int, hi: int, sparse_names: list[str]):
+        """Rows lo..hi as DLRMTrain's input: dense [B, num_dense], a KJT (one id per bag), labels [B]."""
+        from torchrec.datasets.utils import Batch
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        ids = self.ids[lo:hi]
+        kjt = KeyedJaggedTensor(keys=sparse_names, values=ids.T.reshape(-1),  # key-major
+                                lengths=torch.ones(ids.numel(), dtype=torch.int64))
+        return Batch(dense_features=self.dense[lo:hi], sparse_features=kjt, labels=self.labels[lo:hi])
+
+
+def build_model(args, sparse_names: list[str]):
+    from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRM_Projection, DLRMTrain
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=args.dim, num_embeddings=args.rows,
+                                 feature_names=[f]) for f in sparse_names]
+    # Tables on meta: DMP allocates each shard on its rank (torchrec's example does the same).
+    common = dict(embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
+                  dense_in_features=args.num_dense, dense_arch_layer_sizes=args.dense_arch,
+                  over_arch_layer_sizes=args.over_arch, dense_device=torch.device("cpu"))
+    if args.interaction == "dcn":
+        model = DLRM_DCN(**common, dcn_num_layers=args.dcn_num_layers, dcn_low_rank_dim=args.dcn_low_rank_dim)
+    elif args.interaction == "projection":
+        model = DLRM_Projection(**common, interaction_branch1_layer_sizes=args.branch1,
+                                interaction_branch2_layer_sizes=args.branch2)
+    else:
+        model = DLRM(**common)
+    return DLRMTrain(model)
+
+
+def worker(rank: int, args, port: int) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.types import ShardingType
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+
+    torch.manual_seed(args.seed)  # the same dense init on every rank (DDP also broadcasts it)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world_size)
+    log = (lambda msg: print(f"[train] {msg}", flush=True)) if rank == 0 else (lambda msg: None)
+    dense_names, sparse_names = features(args)
+    data = Clicks(args)
+    train_rows = len(data) - args.heldout
+    model = build_model(args, sparse_names)
+    # The tables learn in the backward pass (fused Adagrad in fbgemm's CPU kernels), as in torchrec's example.
+    apply_optimizer_in_backward(torch.optim.Adagrad, model.model.sparse_arch.parameters(), {"lr": args.lr})
+    # Table-wise: each table lives whole on one rank, so the DCP files hold whole tables spread over
+    # the ranks. fbgemm-gpu-cpu runs every sharding type's CPU kernels here (row-wise too); table-wise
+    # is the one the planner's CPU cost model picks anyway for tables this small.
+    constraints = {f"t_{f}": ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value])
+                   for f in sparse_names}
+    sharders = [EmbeddingBagCollectionSharder()]
+    plan = EmbeddingShardingPlanner(
+        topology=Topology(world_size=args.world_size, compute_device="cpu"), constraints=constraints,
+    ).collective_plan(model, sharders, dist.GroupMember.WORLD)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    dense_opt = KeyedOptimizerWrapper(dict(dmp.named_parameters()), lambda ps: torch.optim.Adagrad(ps, lr=args.lr))
+    per_rank = args.batch_size // args.world_size
+    started = time.perf_counter()
+    dmp.train()
+    steps = train_rows // args.batch_size
+    for step in range(steps):
+        lo = step * args.batch_size + rank * per_rank
+        loss, _ = dmp(data.batch(lo, lo + per_rank, sparse_names))  # DLRMTrain: (loss, (loss, logits, labels))
+        dense_opt.zero_grad()
+        loss.backward()
+        dense_opt.step()
+        if step % max(1, steps // 5) == 0 or step == steps - 1:
+            log(f"step {step + 1}/{steps}: loss {loss.item():.4f}")
+    log(f"trained {steps} steps of {args.batch_size} rows on {args.world_size} rank(s) "
+        f"in {time.perf_counter() - started:.1f} s")
+
+    # Every rank scores the whole held-out set (each rank's local batch), so rank 0 holds all of it.
+    dmp.eval()
+    with torch.no_grad():
+        batch = data.batch(train_rows, len(data), sparse_names)
+        _, (_, logits, _) = dmp(batch)
+    dense, labels = batch.dense_features, batch.labels
+    scores = torch.sigmoid(logits.squeeze(-1))
+    out = Path(args.out)
+    dcp.save(dmp.state_dict(), checkpoint_id=out / "checkpoint")
+    if rank == 0:
+        ids = data.ids[train_rows:]
+        rows = [{"dense": d, "sparse": {"keys": sparse_names, "values": i, "lengths": [1] * len(i)}}
+                for d, i in zip(dense.tolist(), ids.tolist())]
+        doc = {"dense_features": dense_names, "sparse_features": sparse_names, "interaction": args.interaction,
+               "rows": rows, "labels": labels.tolist(), "scores": scores.tolist(), "auc": auc(scores, labels)}
+        (out / "heldout.json").write_text(json.dumps(doc))
+        log(f"held-out AUC {doc['auc']:.4f} on {len(rows)} rows; saved {out / 'checkpoint'} "
+            f"(DCP, {args.world_size} rank(s)) and {out / 'heldout.json'}")
+    dist.destroy_process_group()
+
+
+def auc(scores, labels) -> float:
+    """Exact ROC AUC: the chance that a random positive outscores a random negative (ties count half)."""
+    from torchmetrics.functional.classification import binary_auroc
+
+    return float(binary_auroc(torch.as_tensor(scores, dtype=torch.float64), torch.as_tensor(labels).long()))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> Path:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.world_size == 1:
+        worker(0, args, port)
+    else:
+        torch.multiprocessing.spawn(worker, args=(args, port), nprocs=args.world_size, join=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

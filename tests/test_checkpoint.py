@@ -1,0 +1,150 @@
+"""Checkpoint import (dlrm_checkpoint.py, build_mar.py --checkpoint / --write-config) on the tiny model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import yaml
+
+import build_mar
+from conftest import TINY, tiny_config
+from dlrm_checkpoint import TABLES, import_checkpoint
+from dlrm_errors import ConfigError
+from dlrm_factory import DLRMFactory
+
+# dcp.save / load in one process warn that they assume one: that is the point here.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def trained_keys(model, prefix: str = "model.", table: str = "t_{}") -> dict[str, torch.Tensor]:
+    """The tiny model's state_dict as a torchrec trainer saves it: wrapper prefix, t_<feature> tables."""
+    out = {}
+    for key, value in model.state_dict().items():
+        if key.startswith(TABLES):
+            name = key[len(TABLES):-len(".weight")]
+            key = f"{TABLES}{table.format(name)}.weight"
+        out[prefix + key] = value
+    return out
+
+
+def same_scores(state, model) -> bool:
+    served = DLRMFactory(tiny_config()).load_fp32(state)
+    dense, kjt = DLRMFactory(tiny_config()).probe_batch(64, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return torch.equal(served(dense, kjt), model(dense, kjt))
+
+
+def test_a_dcp_directory_with_wrapper_prefixes_and_t_tables(tmp_path, model, capsys):
+    # One process, no process group: the 2-rank DMP form is covered by tests/test_train_serve.py.
+    state = trained_keys(model, "_dmp_wrapped_module.model.")
+    dcp.save({**state, "optim.step": torch.tensor(7)}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    got = import_checkpoint(tmp_path / "ckpt", tiny_config(), log=print)
+    assert set(got) == set(model.state_dict())
+    assert same_scores(got, model)
+    out = capsys.readouterr().out
+    assert "[import] ignored 1 entries that are no DLRM weights (optimizer state and the like): optim.step" in out
+    assert "DCP directory (1 rank)" in out and "t_feature_0 -> feature_0" in out
+
+
+def test_a_pt_file_holding_the_state_dict_beside_optimizer_state(tmp_path, model, capsys):
+    path = tmp_path / "trained.pth"
+    torch.save({"model_state_dict": trained_keys(model, "module.model."), "optimizer": {"lr": 0.1}, "epoch": 3}, path)
+    got = import_checkpoint(path, tiny_config(), log=print)
+    assert same_scores(got, model)
+    assert ("[import] ignored 2 entries that are no DLRM weights (optimizer state and the like): "
+            "optimizer (beside 'model_state_dict'), epoch (beside 'model_state_dict')") in capsys.readouterr().out
+
+
+def test_a_plain_state_dict_with_feature_named_tables(tmp_path, model):
+    torch.save(model.state_dict(), tmp_path / "plain.pt")
+    assert same_scores(import_checkpoint(tmp_path / "plain.pt", tiny_config(), log=lambda _: None), model)
+
+
+def test_table_names_maps_other_names_as_a_list_or_a_mapping(tmp_path, model):
+    torch.save(trained_keys(model, table="emb_{}"), tmp_path / "t.pt")
+    names = [f"emb_{f}" for f in TINY["sparse_features"]]
+    for table_names in (names, dict(zip(TINY["sparse_features"], names))):
+        state = import_checkpoint(tmp_path / "t.pt", tiny_config(table_names=table_names), log=lambda _: None)
+        assert same_scores(state, model)
+
+
+@pytest.mark.parametrize("changes, message", [
+    # A wrong mapping: feature_0 (20 rows) pointed at feature_1's table (30 rows).
+    ({"table_names": {"feature_0": "t_feature_1", "feature_1": "t_feature_0"}},
+     "checkpoint: table 't_feature_1' (feature 'feature_0') has shape [30, 8], the config expects [20, 8] "
+     "(num_embeddings x embedding_dim)"),
+    # A wrong shape: the config's rows differ from the trained table's.
+    ({"num_embeddings": [20, 31, 40]},
+     "checkpoint: table 't_feature_1' (feature 'feature_1') has shape [30, 8], the config expects [31, 8] "
+     "(num_embeddings x embedding_dim)"),
+    ({"table_names": {"feature_2": "t_cat_2"}},
+     "checkpoint: table 't_cat_2' (handler.table_names for feature 'feature_2') is not in the checkpoint; "
+     "its tables are t_feature_0, t_feature_1, t_feature_2"),
+    ({"sparse_features": ["feature_0", "feature_1", "f2"]},
+     "checkpoint: no table for feature 'f2' (looked for 'f2' and 't_f2'; the checkpoint's tables are "
+     "t_feature_0, t_feature_1, t_feature_2); map it with handler.table_names"),
+    ({"sparse_features": ["feature_0", "feature_1"], "num_embeddings": [20, 30]},
+     "checkpoint: table 't_feature_2' [40, 8] serves no feature of handler.sparse_features; add its feature "
+     "or map it with handler.table_names"),
+    ({"dense_arch_layer_sizes": [32, 8]},
+     "checkpoint: layer 'dense_arch.model._mlp.0._linear.weight' has shape [16, 5], the config expects [32, 5]"),
+])
+def test_a_checkpoint_that_does_not_fit_is_refused_before_anything_is_archived(tmp_path, model, changes, message):
+    torch.save(trained_keys(model), tmp_path / "t.pt")
+    config = tmp_path / "model-config.yaml"
+    config.write_text(yaml.safe_dump({"handler": {**TINY, **changes}}))
+    with pytest.raises(SystemExit) as exc:
+        build_mar.main(["--config", str(config), "--checkpoint", str(tmp_path / "t.pt"),
+                        "--output-dir", str(tmp_path / "store")])
+    assert exc.value.code == f"error: {message}"
+    assert not (tmp_path / "store").exists()
+
+
+def test_write_config_derives_a_config_that_builds_and_serves_the_same_scores(tmp_path, model, capsys):
+    state = trained_keys(model, "_dmp_wrapped_module.model.")
+    dcp.save(state, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    out = tmp_path / "derived.yaml"
+    build_mar.main(["--checkpoint", str(tmp_path / "ckpt"), "--write-config", str(out),
+                    "--output-dir", str(tmp_path / "store")])
+    assert not (tmp_path / "store").exists()  # builds nothing
+    printed = capsys.readouterr().out
+    assert "[config] derived: 3 sparse features from the table names (feature_0, feature_1, feature_2)" in printed
+    assert "[config] assumed: pooling sum" in printed
+    doc = yaml.safe_load(out.read_text())
+    assert {k: doc["handler"][k] for k in ("num_dense_features", "sparse_features", "num_embeddings",
+                                           "embedding_dim", "dense_arch_layer_sizes", "over_arch_layer_sizes")} == \
+        {k: TINY[k] for k in ("num_dense_features", "sparse_features", "num_embeddings", "embedding_dim",
+                              "dense_arch_layer_sizes", "over_arch_layer_sizes")}
+    assert doc["batchSize"] > 1 and doc["startupTimeout"] >= 120 and doc["responseTimeout"] >= 60
+    mar = build_mar.main(["--config", str(out), "--checkpoint", str(tmp_path / "ckpt"), "--force",
+                          "--output-dir", str(tmp_path / "store")])
+    assert mar.is_file()
+
+
+def test_write_config_refuses_what_is_no_dlrm(tmp_path, capsys):
+    torch.save({"step": torch.zeros(3)}, tmp_path / "x.pt")
+    with pytest.raises(SystemExit) as exc:
+        build_mar.main(["--checkpoint", str(tmp_path / "x.pt"), "--write-config", str(tmp_path / "o.yaml")])
+    assert exc.value.code == (f"error: {tmp_path / 'x.pt'}: no embedding tables "
+                              "(sparse_arch.embedding_bag_collection.embedding_bags.<table>.weight) in the "
+                              "checkpoint; its keys: none")
+    with pytest.raises(SystemExit):
+        build_mar.main(["--write-config", str(tmp_path / "o.yaml")])
+    assert "error: --write-config needs --checkpoint PATH" in capsys.readouterr().err
+    assert not (tmp_path / "o.yaml").exists()
+
+
+@pytest.mark.parametrize("value, message", [
+    (["a"], "handler.table_names: expected one table name per sparse feature (3), got 1 "
+            "(e.g. table_names: {feature_0: t_feature_0})"),
+    ({"cat_9": "a"}, "handler.table_names: 'cat_9' is not in handler.sparse_features (valid: feature_0, "
+                     "feature_1, feature_2) (e.g. table_names: {feature_0: t_feature_0})"),
+    (["a", "a", "b"], "handler.table_names: table 'a' is named for two features; each feature has its own table"),
+    (7, "handler.table_names: expected a list of table names in sparse_features order or a mapping feature -> "
+        "table name, got 7 (e.g. table_names: {feature_0: t_feature_0})"),
+])
+def test_table_names_is_validated_with_the_key_named(value, message):
+    with pytest.raises(ConfigError) as exc:
+        tiny_config(table_names=value)
+    assert str(exc.value) == message
