@@ -3,7 +3,12 @@ PY      := .venv/bin/python
 CONFIG  ?= model-config.yaml
 PROPS   ?= config.properties
 MAR     := model_store/dlrm.mar
-SOURCES := dlrm_handler.py dlrm_factory.py dlrm_core.py dlrm_config.py dlrm_errors.py dlrm_scale.py scripts/build_mar.py
+SOURCES := dlrm_handler.py dlrm_factory.py dlrm_core.py dlrm_config.py dlrm_errors.py dlrm_scale.py dlrm_checkpoint.py \
+           scripts/build_mar.py
+# A trained checkpoint to serve (README "Your trained model"): a .pt/.pth file or a DCP directory,
+# whose files the archive then depends on.
+CHECKPOINT ?=
+CKPT_FILES := $(if $(CHECKPOINT),$(or $(wildcard $(CHECKPOINT)/.metadata $(CHECKPOINT)/*),$(CHECKPOINT)))
 
 .PHONY: venv mar serve ready rollout rollback stop test unit integration bench soak clean FORCE
 
@@ -11,13 +16,13 @@ SOURCES := dlrm_handler.py dlrm_factory.py dlrm_core.py dlrm_config.py dlrm_erro
 venv:
 	@bash scripts/install.sh
 
-# Rebuilt when a source or the config changes; CONFIG=model-config.criteo.yaml for Criteo.
-$(MAR): $(SOURCES) $(CONFIG) model_store/.config | venv
-	$(PY) scripts/build_mar.py --config $(CONFIG) --force
+# Rebuilt when a source, the config or the checkpoint changes; CONFIG=model-config.criteo.yaml for Criteo.
+$(MAR): $(SOURCES) $(CONFIG) $(CKPT_FILES) model_store/.config | venv
+	$(PY) scripts/build_mar.py --config $(CONFIG) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) --force
 
-# Records which config the archive was built from, so switching CONFIG rebuilds it.
+# Records which config and checkpoint the archive was built from, so switching either rebuilds it.
 model_store/.config: FORCE
-	@mkdir -p model_store; echo "$(CONFIG)" | cmp -s - $@ || echo "$(CONFIG)" > $@
+	@mkdir -p model_store; echo "$(CONFIG) $(CHECKPOINT)" | cmp -s - $@ || echo "$(CONFIG) $(CHECKPOINT)" > $@
 
 FORCE:
 
@@ -27,12 +32,14 @@ mar: venv
 # Start TorchServe in the background (logs/), wait for the model, score a sample request.
 serve: venv $(MAR)
 	$(PY) scripts/serve.py start --properties $(PROPS) \
-	  $(if $(filter model-config.criteo.yaml,$(CONFIG)),--sample sample_requests/criteo.json)
+	  $(if $(filter model-config.criteo.yaml,$(CONFIG)),--sample sample_requests/criteo.json) \
+	  $(if $(CHECKPOINT),--config $(CONFIG))
 
 # Readiness probe of the server `make serve` started: exit 0 once the model scores a request.
 ready:
 	$(PY) scripts/serve.py ready \
-	  $(if $(filter model-config.criteo.yaml,$(CONFIG)),--sample sample_requests/criteo.json)
+	  $(if $(filter model-config.criteo.yaml,$(CONFIG)),--sample sample_requests/criteo.json) \
+	  $(if $(CHECKPOINT),--config $(CONFIG))
 
 # Build the next model version from CONFIG and roll it out with no downtime (README, Operations).
 rollout: venv

@@ -75,6 +75,20 @@ def stop(args) -> int:
     return 1 if srv.running() else 0
 
 
+def probe_from_config(config: str, home: Path) -> Path:
+    """A one-row request any model of ``config`` scores: dense zeros, id 0 in every table (for a
+    config written from a checkpoint, which has no sample request of its own)."""
+    sys.path.insert(0, str(ROOT))
+    from dlrm_config import DLRMConfig
+
+    c = DLRMConfig.from_yaml(config)
+    path = home / "probe.json"
+    home.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"dense": [0.0] * c.num_dense_features, "sparse": {
+        "keys": list(c.sparse_features), "values": [0] * c.num_features, "lengths": [1] * c.num_features}}))
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("action", choices=["start", "ready", "stop"])
@@ -82,14 +96,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="TorchServe config.properties (default: %(default)s)")
     ap.add_argument("--model-store", default=str(ROOT / "model_store"), help="folder of .mar files (default: %(default)s)")
     ap.add_argument("--model", default="dlrm", help="model name to probe (default: %(default)s)")
-    ap.add_argument("--sample", default=str(ROOT / "sample_requests" / "seed_single.json"),
-                    help="request sent once the server is up (default: %(default)s)")
+    ap.add_argument("--sample", help="request sent once the server is up (default: one built from --config, "
+                    "else sample_requests/seed_single.json)")
+    ap.add_argument("--config", help="model config to build the probe request from when no --sample is given "
+                    "(make serve CONFIG=... CHECKPOINT=...)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds to wait for the model (default: %(default)s)")
     ap.add_argument("--home", default=str(ROOT / ".serve"),
                     help="ready: the folder the server was started from (default: %(default)s)")
     ap.add_argument("--probe-timeout", type=float, default=10,
                     help="ready: seconds to wait for the answer (default: %(default)s)")
     args = ap.parse_args(argv)
+    if args.sample is None:
+        args.sample = str(probe_from_config(args.config, Path(args.home)) if args.config
+                          else ROOT / "sample_requests" / "seed_single.json")
     return {"start": start, "ready": ready, "stop": stop}[args.action](args)
 
 

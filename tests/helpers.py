@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 
 def instance(dense, **bags) -> dict:
@@ -22,3 +23,9 @@ def body(obj) -> bytes:
 
 
 DENSE = [0.5, -1.0, 0.25, 2.0, 0.0]
+
+
+def batches_so_far(srv) -> int:
+    """How many handler calls the worker has logged (TorchServe's own log line per batch)."""
+    log = (srv.log_dir / "model_log.log").read_text(errors="replace")
+    return len(re.findall(r"Backend received inference at", log))

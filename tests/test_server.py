@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from helpers import instance
+from helpers import batches_so_far, instance
 from tsctl import Server, get, post, request
 
 pytestmark = pytest.mark.integration
@@ -52,12 +51,6 @@ def server(tmp_path_factory):
 def predict(srv, raw: bytes, content_type="application/json", headers=None):
     status, body, hdrs = post(f"{srv.url}/predictions/dlrm", raw, content_type, headers)
     return status, json.loads(body), {k.lower(): v for k, v in hdrs.items()}
-
-
-def batches_so_far(srv) -> int:
-    """How many handler calls the worker has logged (TorchServe's own log line per batch)."""
-    log = (srv.log_dir / "model_log.log").read_text(errors="replace")
-    return len(re.findall(r"Backend received inference at", log))
 
 
 def random_request(rng: random.Random) -> dict:

@@ -1,0 +1,81 @@
+"""Integration: from training to serving. scripts/train.py trains a tiny DLRM with torchrec's
+DistributedModelParallel on 2 CPU ranks and saves a DCP checkpoint; build_mar.py writes the config
+from it and builds; a real TorchServe with batching serves the held-out rows, sent concurrently."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import yaml
+
+import build_mar
+from conftest import ROOT
+from helpers import batches_so_far
+from train import auc
+from tsctl import Server, post
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("train")
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "--out", str(out), "--world-size", "2",
+                    "--steps", "120", "--heldout", "600", "--seed", "4"], check=True, timeout=300)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(trained, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ts")
+    config = tmp / "model-config.yaml"
+    build_mar.main(["--checkpoint", str(trained / "checkpoint"), "--write-config", str(config)])
+    store = tmp / "store"
+    build_mar.main(["--config", str(config), "--checkpoint", str(trained / "checkpoint"), "--force",
+                    "--output-dir", str(store)])
+    srv = Server.on_free_ports(tmp / "home", model_store=store)
+    rows = json.loads((trained / "heldout.json").read_text())["rows"]
+    try:
+        srv.start()
+        srv.wait_ready("dlrm", json.dumps(rows[0]).encode(), timeout=180)
+        yield srv, yaml.safe_load(config.read_text())
+    finally:
+        srv.stop()
+        assert not srv.running()
+
+
+def test_served_scores_are_the_trained_models_own(trained, server):
+    srv, config = server
+    assert config["batchSize"] > 1  # the written config batches
+    assert config["handler"]["sparse_features"] == ["cat_0", "cat_1", "cat_2", "cat_3"]
+    held = json.loads((trained / "heldout.json").read_text())
+    assert len(held["rows"]) >= 500
+
+    def score(row):
+        status, body, _ = post(f"{srv.url}/predictions/dlrm", json.dumps(row).encode(), "application/json")
+        assert status == 200, body
+        return json.loads(body)["score"]
+
+    before = batches_so_far(srv)
+    with ThreadPoolExecutor(16) as pool:
+        served = list(pool.map(score, held["rows"]))
+    # The worker's log reaches model_log.log through the frontend, a little late: a rejected marker
+    # request sent afterwards is logged after every batch above, so once it shows, all of them have.
+    marker = f"marker-{time.monotonic_ns()}"
+    assert post(f"{srv.url}/predictions/dlrm", b"{", "application/json", {"X-Request-Id": marker})[0] == 400
+    deadline = time.monotonic() + 30
+    while marker not in (srv.log_dir / "model_log.log").read_text(errors="replace"):
+        assert time.monotonic() < deadline, "the worker never logged the marker request"
+        time.sleep(0.2)
+    batches = batches_so_far(srv) - before - 1
+    assert 0 < batches < len(served), f"{len(served)} requests in {batches} batches: none shared a batch"
+    worst = max(abs(s - t) for s, t in zip(served, held["scores"]))
+    assert worst <= 1e-5, worst
+    offline, online = auc(held["scores"], held["labels"]), auc(served, held["labels"])
+    assert abs(online - offline) <= 1e-6 and online == pytest.approx(held["auc"], abs=1e-6)
+    assert online > 0.7, online  # the synthetic clicks carry a signal the model learned
