@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -15,7 +14,7 @@ import yaml
 
 import build_mar
 from conftest import ROOT
-from helpers import batches_so_far
+from helpers import metrics_delta, settled
 from train import auc
 from tsctl import Server, post
 
@@ -61,19 +60,13 @@ def test_served_scores_are_the_trained_models_own(trained, server):
         assert status == 200, body
         return json.loads(body)["score"]
 
-    before = batches_so_far(srv)
+    before = settled(srv)
     with ThreadPoolExecutor(16) as pool:
         served = list(pool.map(score, held["rows"]))
-    # The worker's log reaches model_log.log through the frontend, a little late: a rejected marker
-    # request sent afterwards is logged after every batch above, so once it shows, all of them have.
-    marker = f"marker-{time.monotonic_ns()}"
-    assert post(f"{srv.url}/predictions/dlrm", b"{", "application/json", {"X-Request-Id": marker})[0] == 400
-    deadline = time.monotonic() + 30
-    while marker not in (srv.log_dir / "model_log.log").read_text(errors="replace"):
-        assert time.monotonic() < deadline, "the worker never logged the marker request"
-        time.sleep(0.2)
-    batches = batches_so_far(srv) - before - 1
-    assert 0 < batches < len(served), f"{len(served)} requests in {batches} batches: none shared a batch"
+    # The handler's counters, once every request is counted: fewer batches than requests.
+    delta = metrics_delta(srv, {"dlrm_requests_total": len(served)}, before)
+    assert delta["dlrm_requests_total"] == len(served), delta
+    assert 0 < delta["dlrm_batches_total"] < len(served), f"no two of {len(served)} requests shared a batch: {delta}"
     worst = max(abs(s - t) for s, t in zip(served, held["scores"]))
     assert worst <= 1e-5, worst
     offline, online = auc(held["scores"], held["labels"]), auc(served, held["labels"])
