@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dcn-low-rank-dim", type=int, default=4, help="dcn: low rank (default: %(default)s)")
     ap.add_argument("--branch1", default="16,8", help="projection: branch 1 sizes (default: %(default)s)")
     ap.add_argument("--branch2", default="16,8", help="projection: branch 2 sizes (default: %(default)s)")
-    ap.add_argument("--steps", type=int, default=300, help="training steps (default: %(default)s)")
+    ap.add_argument("--steps", type=int, default=300, help="training steps on synthetic clicks (a --tsv file is read once) (default: %(default)s)")
     ap.add_argument("--batch-size", type=int, default=256, help="global batch per step (default: %(default)s)")
     ap.add_argument("--lr", type=float, default=0.05, help="Adagrad learning rate (default: %(default)s)")
     ap.add_argument("--heldout", type=int, default=1000, help="held-out rows (default: %(default)s)")
