@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
 
 import build_mar
-from conftest import TINY, tiny_config
+from conftest import TINY, call, tiny_config
 from dlrm_checkpoint import TABLES, import_checkpoint
 from dlrm_errors import ConfigError
 from dlrm_factory import DLRMFactory
@@ -120,6 +122,18 @@ def test_write_config_derives_a_config_that_builds_and_serves_the_same_scores(tm
     mar = build_mar.main(["--config", str(out), "--checkpoint", str(tmp_path / "ckpt"), "--force",
                           "--output-dir", str(tmp_path / "store")])
     assert mar.is_file()
+
+
+def test_make_serve_probes_a_written_config_with_a_request_built_from_it(tmp_path, handler):
+    """serve.py --config (make serve CONFIG=... CHECKPOINT=...): a config written from a checkpoint
+    has no sample request; the probe is one row of it, which the model scores."""
+    import serve
+
+    config = tmp_path / "derived.yaml"
+    config.write_text(yaml.safe_dump({"handler": TINY}))
+    probe = serve.probe_from_config(str(config), tmp_path / "home")
+    outputs, ctx = call(handler, [probe.read_bytes()])
+    assert ctx.statuses == {} and 0 < json.loads(outputs[0])["score"] < 1
 
 
 def test_write_config_refuses_what_is_no_dlrm(tmp_path, capsys):
