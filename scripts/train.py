@@ -38,6 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="folder for checkpoint/ and heldout.json")
     ap.add_argument("--world-size", type=int, default=2, choices=[1, 2], help="trainer processes (default: %(default)s)")
+    ap.add_argument("--sharding", default="table_wise", choices=["table_wise", "column_wise"],
+                    help="how DMP places the tables on the ranks (default: %(default)s)")
     ap.add_argument("--interaction", default="dot", choices=["dot", "dcn", "projection"],
                     help="torchrec DLRM, DLRM_DCN or DLRM_Projection (default: %(default)s)")
     ap.add_argument("--num-dense", type=int, default=13, help="dense features int_0.. (default: %(default)s)")
@@ -155,10 +157,12 @@ def worker(rank: int, args, port: int) -> None:
     model = build_model(args, sparse_names)
     # The tables learn in the backward pass (fused Adagrad in fbgemm's CPU kernels), as in torchrec's example.
     apply_optimizer_in_backward(torch.optim.Adagrad, model.model.sparse_arch.parameters(), {"lr": args.lr})
-    # Table-wise: each table lives whole on one rank, so the DCP files hold whole tables spread over
-    # the ranks. fbgemm-gpu-cpu runs every sharding type's CPU kernels here (row-wise too); table-wise
-    # is the one the planner's CPU cost model picks anyway for tables this small.
-    constraints = {f"t_{f}": ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value])
+    # table_wise: each table whole on one rank; column_wise: each table split along D across the
+    # ranks (min_partition 4), so every DCP file holds a slice of every table. Row-wise and
+    # table-row-wise are not offered on CPU: torchrec's planner finds "no available sharding type
+    # and compute kernel combination" for them with fbgemm-gpu-cpu.
+    kind = {"table_wise": ShardingType.TABLE_WISE, "column_wise": ShardingType.COLUMN_WISE}[args.sharding]
+    constraints = {f"t_{f}": ParameterConstraints(sharding_types=[kind.value], min_partition=4)
                    for f in sparse_names}
     sharders = [EmbeddingBagCollectionSharder()]
     plan = EmbeddingShardingPlanner(
