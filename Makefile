@@ -3,6 +3,10 @@ PY      := .venv/bin/python
 CONFIG  ?= model-config.yaml
 PROPS   ?= config.properties
 MAR     := model_store/dlrm.mar
+# The request that probes readiness: sample_requests/<name>.json for model-config.<name>.yaml
+# when it exists (criteo, dlrmv2), else serve.py's default (the seed layout's); SAMPLE=FILE overrides.
+SAMPLE  ?= $(wildcard $(patsubst model-config.%.yaml,sample_requests/%.json,$(filter model-config.%.yaml,$(notdir $(CONFIG)))))
+SAMPLE_ARG = $(if $(SAMPLE),--sample $(SAMPLE))
 SOURCES := dlrm_handler.py dlrm_factory.py dlrm_core.py dlrm_config.py dlrm_errors.py dlrm_scale.py scripts/build_mar.py
 
 .PHONY: venv mar serve ready rollout rollback stop test unit integration bench soak clean FORCE
@@ -11,7 +15,8 @@ SOURCES := dlrm_handler.py dlrm_factory.py dlrm_core.py dlrm_config.py dlrm_erro
 venv:
 	@bash scripts/install.sh
 
-# Rebuilt when a source or the config changes; CONFIG=model-config.criteo.yaml for Criteo.
+# Rebuilt when a source or the config changes; CONFIG=model-config.criteo.yaml for Criteo,
+# CONFIG=model-config.dlrmv2.yaml for MLPerf DLRMv2.
 $(MAR): $(SOURCES) $(CONFIG) model_store/.config | venv
 	$(PY) scripts/build_mar.py --config $(CONFIG) --force
 
@@ -26,22 +31,18 @@ mar: venv
 
 # Start TorchServe in the background (logs/), wait for the model, score a sample request.
 serve: venv $(MAR)
-	$(PY) scripts/serve.py start --properties $(PROPS) \
-	  $(if $(filter model-config.criteo.yaml,$(CONFIG)),--sample sample_requests/criteo.json)
+	$(PY) scripts/serve.py start --properties $(PROPS) $(SAMPLE_ARG)
 
 # Readiness probe of the server `make serve` started: exit 0 once the model scores a request.
 ready:
-	$(PY) scripts/serve.py ready \
-	  $(if $(filter model-config.criteo.yaml,$(CONFIG)),--sample sample_requests/criteo.json)
+	$(PY) scripts/serve.py ready $(SAMPLE_ARG)
 
 # Build the next model version from CONFIG and roll it out with no downtime (README, Operations).
 rollout: venv
-	$(PY) scripts/rollout.py --config $(CONFIG) \
-	  $(if $(filter model-config.criteo.yaml,$(CONFIG)),--sample sample_requests/criteo.json)
+	$(PY) scripts/rollout.py --config $(CONFIG) $(SAMPLE_ARG)
 
 rollback: venv
-	$(PY) scripts/rollout.py --rollback \
-	  $(if $(filter model-config.criteo.yaml,$(CONFIG)),--sample sample_requests/criteo.json)
+	$(PY) scripts/rollout.py --rollback $(SAMPLE_ARG)
 
 stop: venv
 	$(PY) scripts/serve.py stop --properties $(PROPS)
