@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 
 def instance(dense, **bags) -> dict:
@@ -22,3 +23,13 @@ def body(obj) -> bytes:
 
 
 DENSE = [0.5, -1.0, 0.25, 2.0, 0.0]
+
+
+def mapped_file(ptr: int) -> str | None:
+    """The file mapped at address ``ptr`` in this process, from /proc/self/maps."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if lo <= ptr < hi:
+            return parts[5] if len(parts) == 6 else None
+    return None
