@@ -1,9 +1,15 @@
-"""Request builders shared by the tests."""
+"""Request builders and tiny-model helpers shared by the tests."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
+
+import torch
+
+from conftest import tiny_config
+from dlrm_factory import DLRMFactory
 
 
 def instance(dense, **bags) -> dict:
@@ -33,3 +39,22 @@ def mapped_file(ptr: int) -> str | None:
         if lo <= ptr < hi:
             return parts[5] if len(parts) == 6 else None
     return None
+
+
+def archive(tmp_path: Path, model, dtype: str, **changes) -> Path:
+    """What build_mar.py writes as dlrm.pt for the fp32 ``model`` of ``tiny_config(**changes)``
+    with ``dtype`` tables."""
+    path = tmp_path / f"dlrm-{changes.get('interaction', 'dot')}-{dtype}.pt"
+    factory = DLRMFactory(tiny_config(**changes, embedding_dtype=dtype))
+    torch.save(factory.archive_state(copy.deepcopy(model)), path)
+    return path
+
+
+def batch(n=64, seed=1):
+    """B = n rows of the tiny config: (dense, KJT)."""
+    return DLRMFactory(tiny_config()).probe_batch(n, torch.Generator().manual_seed(seed))
+
+
+def forward(model, dense, kjt):
+    with torch.inference_mode():
+        return model(dense, kjt)

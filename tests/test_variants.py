@@ -17,7 +17,7 @@ from dlrm_config import INTERACTIONS, DLRMConfig
 from dlrm_errors import ConfigError
 from dlrm_factory import DLRMFactory
 from dlrm_scale import EBC, quantize, sharded_placement
-from helpers import body, instance, mapped_file
+from helpers import archive, batch, body, forward, instance, mapped_file
 
 VARIANTS = list(INTERACTIONS)
 QUANTIZED = ["fp16", "int8", "int4"]
@@ -33,22 +33,6 @@ def cfg(interaction: str, **changes) -> DLRMConfig:
 @pytest.fixture(scope="module")
 def models():
     return {v: DLRMFactory(cfg(v)).random() for v in VARIANTS}
-
-
-def archive(tmp_path, model, interaction: str, dtype: str):
-    """What build_mar.py writes as dlrm.pt for this variant and dtype."""
-    path = tmp_path / f"dlrm-{interaction}-{dtype}.pt"
-    torch.save(DLRMFactory(cfg(interaction, embedding_dtype=dtype)).archive_state(copy.deepcopy(model)), path)
-    return path
-
-
-def batch(n=64, seed=1):
-    return DLRMFactory(tiny_config()).probe_batch(n, torch.Generator().manual_seed(seed))
-
-
-def forward(model, dense, kjt):
-    with torch.inference_mode():
-        return model(dense, kjt)
 
 
 # --- config -----------------------------------------------------------------------------------
@@ -217,7 +201,7 @@ def test_quantized_archive_is_torchrec_quantization_and_zero_copy(tmp_path, mode
     """The loaded model equals torchrec's own quantization of the fp32 one bit for bit, stays
     near the fp32 scores, and its kernel reads the memory-mapped archive file itself."""
     model = models[interaction]
-    path = archive(tmp_path, model, interaction, dtype)
+    path = archive(tmp_path, model, dtype, **variant(interaction))
     loaded = DLRMFactory(cfg(interaction, embedding_dtype=dtype)).load(path)
     dense, kjt = batch()
     got = forward(loaded, dense, kjt)
@@ -236,7 +220,7 @@ def test_tables_sharded_on_two_cpu_devices_score_as_unsharded(tmp_path, models, 
         path = tmp_path / "fp32.pt"
         torch.save(model.state_dict(), path)
     else:
-        path = archive(tmp_path, model, interaction, dtype)
+        path = archive(tmp_path, model, dtype, **variant(interaction))
     c = cfg(interaction, embedding_dtype=dtype)
     dense, kjt = batch()
     sharded = DLRMFactory(c).load(path, ["cpu", "cpu"])
@@ -263,7 +247,7 @@ def test_handler_batch_scores_each_request_as_alone(tmp_path, models, interactio
     if dtype == "fp32":
         torch.save(models[interaction].state_dict(), tmp_path / "dlrm.pt")
     else:
-        archive(tmp_path, models[interaction], interaction, dtype).rename(tmp_path / "dlrm.pt")
+        archive(tmp_path, models[interaction], dtype, **variant(interaction)).rename(tmp_path / "dlrm.pt")
     h = TorchRecDLRMHandler()
     h.initialize(FakeContext(tmp_path, section))
     if layout.startswith("sharded"):
