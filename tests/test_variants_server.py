@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
-import time
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +16,7 @@ from conftest import ROOT, variant
 from dlrm_config import DLRMConfig
 from dlrm_core import RequestParser, collate, scores
 from dlrm_factory import DLRMFactory
-from helpers import instance
+from helpers import instance, metrics_delta, settled
 from tsctl import Server, post
 
 pytestmark = pytest.mark.integration
@@ -93,13 +91,14 @@ def test_concurrent_mixed_requests_to_both_variants_score_as_in_process(served):
     bad += [(name, b'{"dense":[1,2,3],"sparse":{"keys":[],"values":[],"lengths":[]}}', "dense:") for name in MODELS]
     mixed = good + bad
     rng.shuffle(mixed)
-    log = srv.log_dir / "model_log.log"
-    before = len(re.findall(r"Backend received inference at", log.read_text(errors="replace")))
+    before = {name: settled(srv, model=name) for name in MODELS}
     with ThreadPoolExecutor(16) as pool:
         answers = list(pool.map(lambda m: post(f"{srv.url}/predictions/{m[0]}", m[1]), mixed))
-    time.sleep(0.5)  # let the workers' log catch up
-    calls = len(re.findall(r"Backend received inference at", log.read_text(errors="replace"))) - before
-    assert calls < len(mixed), "no two requests shared a TorchServe batch"
+    for name in MODELS:  # the handler's counters, once every request is counted
+        sent = sum(m[0] == name for m in mixed)
+        delta = metrics_delta(srv, {"dlrm_requests_total": sent}, before[name], model=name)
+        assert delta["dlrm_requests_total"] == sent, (name, delta)
+        assert delta["dlrm_batches_total"] < sent, f"{name}: no two requests shared a TorchServe batch"
     for (name, raw, error), (status, body, _) in zip(mixed, answers):
         answer = json.loads(body)
         if error:
