@@ -282,3 +282,19 @@ def test_sizing_counts_the_cross_network_and_sizes_the_uncapped_dlrmv2(capsys):
     assert rep["full"]["dtypes"]["int8"]["table_bytes"] < rep["full"]["dtypes"]["fp32"]["table_bytes"] / 3
     assert rep["dtypes"]["fp32"]["table_bytes"] == sum(DLRMConfig.from_yaml(
         ROOT / "model-config.dlrmv2.yaml").num_embeddings) * 128 * 4
+
+
+@pytest.mark.parametrize("config,sample", [
+    ("model-config.dlrmv2.yaml", "--sample sample_requests/dlrmv2.json"),
+    ("model-config.criteo.yaml", "--sample sample_requests/criteo.json"),
+    ("model-config.yaml", None),  # serve.py's default, the seed layout's request
+])
+def test_make_probes_each_shipped_config_with_its_own_sample(config, sample):
+    import subprocess
+
+    for target in ("serve", "ready", "rollout", "rollback"):
+        out = subprocess.run(["make", "-n", "-B", target, f"CONFIG={config}"], cwd=ROOT, check=True,
+                             capture_output=True, text=True).stdout
+        probe = next(line for line in out.splitlines() if "scripts/serve.py start" in line or
+                     "scripts/serve.py ready" in line or "scripts/rollout.py" in line)
+        assert (sample in probe) if sample else "--sample" not in probe, (target, probe)
