@@ -25,7 +25,7 @@ MODELS = {"dlrm_dcn": ("dcn", "fp32"), "dlrm_projection": ("projection", "int8")
 PROBE = (ROOT / "sample_requests" / "seed_multi_hot.json").read_bytes()
 
 
-def build(tmp: Path, name: str, interaction: str, dtype: str) -> DLRMConfig:
+def build(tmp: Path, name: str, interaction: str, dtype: str) -> Path:
     """The shipped model-config.yaml as ``interaction`` with ``dtype`` tables; a long batch
     delay makes concurrent requests share TorchServe batches."""
     import build_mar
@@ -36,19 +36,18 @@ def build(tmp: Path, name: str, interaction: str, dtype: str) -> DLRMConfig:
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(doc))
     build_mar.main(["--config", str(path), "--output-dir", str(tmp / "store"), "--model-name", name])
-    return DLRMConfig.from_yaml(path)
+    return path
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """(server, {model name: (config, the in-process model of its archive)})."""
+    """(server, {model name: (config, the in-process model of its archive, the config file)})."""
     tmp = tmp_path_factory.mktemp("ts-variants")
     local = {}
     for name, (interaction, dtype) in MODELS.items():
-        config = build(tmp, name, interaction, dtype)
-        with zipfile.ZipFile(tmp / "store" / f"{name}.mar") as z:
-            z.extract("dlrm.pt", tmp / name)
-        local[name] = (config, DLRMFactory(config).load(tmp / name / "dlrm.pt"))
+        path = build(tmp, name, interaction, dtype)
+        config = DLRMConfig.from_yaml(path)
+        local[name] = (config, load_archive(config, tmp / "store" / f"{name}.mar", tmp / name), path)
     srv = Server.on_free_ports(tmp / "home", model_store=tmp / "store",
                                overrides={"load_models": ",".join(f"{n}={n}.mar" for n in MODELS)})
     try:
@@ -59,6 +58,13 @@ def served(tmp_path_factory):
     finally:
         srv.stop()
         assert not srv.running()
+
+
+def load_archive(config: DLRMConfig, mar: Path, tmp: Path):
+    """The model of ``mar``, loaded in this process as the worker loads it."""
+    with zipfile.ZipFile(mar) as z:
+        z.extract("dlrm.pt", tmp)
+    return DLRMFactory(config).load(tmp / "dlrm.pt")
 
 
 def in_process(config, model, raw: bytes) -> list[float]:
@@ -105,6 +111,34 @@ def test_concurrent_mixed_requests_to_both_variants_score_as_in_process(served):
             assert status == 400 and answer["code"] == 400 and answer["message"].startswith(error), (name, answer)
             continue
         assert status == 200, (name, raw, answer)
-        want = in_process(*local[name], raw)
+        want = in_process(*local[name][:2], raw)
         assert len(answer["scores"]) == len(want)
         assert max(abs(a - b) for a, b in zip(answer["scores"], want)) <= 1e-5, (name, answer, want)
+
+
+def test_rollout_and_rollback_of_a_variant(served, tmp_path):
+    """scripts/rollout.py builds the next version of the int8 projection model from its config
+    with another seed, which then serves its own in-process scores; --rollback restores 1.0's."""
+    import rollout
+
+    srv, local = served
+    name = "dlrm_projection"
+    config, model, path = local[name]
+    doc = yaml.safe_load(path.read_text())
+    doc["handler"]["seed"] = 1
+    (tmp_path / "next.yaml").write_text(yaml.safe_dump(doc))
+    common = ["--home", str(srv.home), "--model", name, "--timeout", "180",
+              "--sample", str(ROOT / "sample_requests" / "seed_multi_hot.json")]
+    raws = [random_request(random.Random(i)) for i in range(6)]
+
+    def served_as(want_model):
+        for raw in raws:
+            status, body, _ = post(f"{srv.url}/predictions/{name}", raw)
+            assert status == 200, body
+            got, want = json.loads(body)["scores"], in_process(config, want_model, raw)
+            assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
+
+    assert rollout.main([*common, "--config", str(tmp_path / "next.yaml")]) == 0
+    served_as(load_archive(config, srv.model_store / f"{name}-v2.0.mar", tmp_path))
+    assert rollout.main([*common, "--rollback"]) == 0
+    served_as(model)
