@@ -3,6 +3,10 @@ PY      := .venv/bin/python
 CONFIG  ?= model-config.yaml
 PROPS   ?= config.properties
 MAR     := model_store/dlrm.mar
+# The request that probes readiness: sample_requests/<name>.json for model-config.<name>.yaml
+# when it exists (criteo, dlrmv2), else serve.py's default (the seed layout's); SAMPLE=FILE overrides.
+SAMPLE  ?= $(wildcard $(patsubst model-config.%.yaml,sample_requests/%.json,$(filter model-config.%.yaml,$(notdir $(CONFIG)))))
+SAMPLE_ARG = $(if $(SAMPLE),--sample $(SAMPLE))
 SOURCES := dlrm_handler.py dlrm_factory.py dlrm_core.py dlrm_config.py dlrm_errors.py dlrm_scale.py dlrm_checkpoint.py \
            scripts/build_mar.py
 # A trained checkpoint to serve (README "Your trained model"): a .pt/.pth file or a DCP directory,
@@ -16,7 +20,8 @@ CKPT_FILES := $(if $(CHECKPOINT),$(or $(wildcard $(CHECKPOINT)/.metadata $(CHECK
 venv:
 	@bash scripts/install.sh
 
-# Rebuilt when a source, the config or the checkpoint changes; CONFIG=model-config.criteo.yaml for Criteo.
+# Rebuilt when a source, the config or the checkpoint changes; CONFIG=model-config.criteo.yaml for
+# Criteo, CONFIG=model-config.dlrmv2.yaml for MLPerf DLRMv2.
 $(MAR): $(SOURCES) $(CONFIG) $(CKPT_FILES) model_store/.config | venv
 	$(PY) scripts/build_mar.py --config $(CONFIG) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) --force
 
@@ -27,28 +32,22 @@ model_store/.config: FORCE
 FORCE:
 
 mar: venv
-	$(PY) scripts/build_mar.py --config $(CONFIG) --force
+	$(PY) scripts/build_mar.py --config $(CONFIG) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) --force
 
 # Start TorchServe in the background (logs/), wait for the model, score a sample request.
 serve: venv $(MAR)
-	$(PY) scripts/serve.py start --properties $(PROPS) \
-	  $(if $(filter model-config.criteo.yaml,$(CONFIG)),--sample sample_requests/criteo.json) \
-	  $(if $(CHECKPOINT),--config $(CONFIG))
+	$(PY) scripts/serve.py start --properties $(PROPS) $(SAMPLE_ARG) $(if $(CHECKPOINT),--config $(CONFIG))
 
 # Readiness probe of the server `make serve` started: exit 0 once the model scores a request.
 ready:
-	$(PY) scripts/serve.py ready \
-	  $(if $(filter model-config.criteo.yaml,$(CONFIG)),--sample sample_requests/criteo.json) \
-	  $(if $(CHECKPOINT),--config $(CONFIG))
+	$(PY) scripts/serve.py ready $(SAMPLE_ARG) $(if $(CHECKPOINT),--config $(CONFIG))
 
 # Build the next model version from CONFIG and roll it out with no downtime (README, Operations).
 rollout: venv
-	$(PY) scripts/rollout.py --config $(CONFIG) \
-	  $(if $(filter model-config.criteo.yaml,$(CONFIG)),--sample sample_requests/criteo.json)
+	$(PY) scripts/rollout.py --config $(CONFIG) $(SAMPLE_ARG)
 
 rollback: venv
-	$(PY) scripts/rollout.py --rollback \
-	  $(if $(filter model-config.criteo.yaml,$(CONFIG)),--sample sample_requests/criteo.json)
+	$(PY) scripts/rollout.py --rollback $(SAMPLE_ARG)
 
 stop: venv
 	$(PY) scripts/serve.py stop --properties $(PROPS)

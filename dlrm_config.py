@@ -19,6 +19,12 @@ POOLINGS = ("sum", "mean")
 OUTPUTS = ("probability", "logit")
 ID_OVERFLOW = ("error", "modulo")
 EMBEDDING_DTYPES = ("fp32", "fp16", "int8", "int4")  # torchrec's inference quantization, all run on CPU
+# handler.interaction -> the keys only that variant takes (torchrec's DLRM, DLRM_DCN, DLRM_Projection)
+INTERACTIONS = {
+    "dot": (),
+    "dcn": ("dcn_num_layers", "dcn_low_rank_dim"),
+    "projection": ("interaction_branch1_layer_sizes", "interaction_branch2_layer_sizes"),
+}
 INT64_MAX = 2**63 - 1
 
 
@@ -28,6 +34,10 @@ class DLRMConfig:
 
     F sparse features, one embedding table each (``num_embeddings[f]`` rows of D floats);
     ``num_dense_features`` floats per row go through the dense arch, whose last size must be D.
+    ``interaction`` picks how the F pooled embeddings and the dense arch's output meet: torchrec's
+    ``DLRM`` (pairwise dot products), ``DLRM_DCN`` (a low-rank DCN-v2 cross network over the
+    (F+1) x D concatenation) or ``DLRM_Projection`` (two MLP branches over it whose outputs,
+    reshaped to [F1, D] and [D, F2], are multiplied).
     """
 
     num_dense_features: int
@@ -46,6 +56,11 @@ class DLRMConfig:
     # How the archive stores the tables and the worker holds them: fp32 (nn.EmbeddingBag), or
     # torchrec's quantized kernels (fp16 2x, int8 ~3.2x, int4 ~5x smaller at D=64).
     embedding_dtype: str = "fp32"
+    interaction: str = "dot"  # dot | dcn | projection
+    dcn_num_layers: int | None = None  # dcn only: cross layers
+    dcn_low_rank_dim: int | None = None  # dcn only: rank of each layer's W V factorisation
+    interaction_branch1_layer_sizes: tuple[int, ...] | None = None  # projection only; last = F1 x D
+    interaction_branch2_layer_sizes: tuple[int, ...] | None = None  # projection only; last = F2 x D
     # Which checkpoint table serves which feature when the names are neither <feature> nor
     # t_<feature> (scripts/build_mar.py --checkpoint): (feature, table) pairs, from a list in
     # sparse_features order or a mapping feature -> table. The archive names tables after features.
@@ -132,6 +147,7 @@ class DLRMConfig:
                 f"handler.embedding_dtype: int4 packs two values per byte and needs an even embedding_dim, "
                 f"got {dim} (e.g. embedding_dtype: int8)"
             )
+        values.update(_interaction(raw, dim))
         if "seed" in raw and (not isinstance(raw["seed"], int) or isinstance(raw["seed"], bool)):
             raise ConfigError(f"handler.seed: expected an integer, got {raw['seed']!r} (e.g. seed: 0)")
         for key, example in (("max_instances_per_request", "4096"), ("max_ids_per_request", "65536")):
@@ -163,6 +179,42 @@ class DLRMConfig:
     def num_features(self) -> int:
         """F, the number of sparse features (and embedding tables)."""
         return len(self.sparse_features)
+
+
+def _interaction(raw: Mapping[str, Any], dim: int) -> dict[str, Any]:
+    """The interaction variant and its own keys: all of them present, and no other variant's."""
+    kind = raw.get("interaction", "dot")
+    if not isinstance(kind, str) or kind not in INTERACTIONS:
+        raise ConfigError(
+            f"handler.interaction: expected one of {', '.join(INTERACTIONS)}, got {kind!r} (e.g. interaction: dcn)"
+        )
+    own = INTERACTIONS[kind]
+    for other, keys in INTERACTIONS.items():
+        for key in keys:
+            if key in raw and key not in own:
+                raise ConfigError(
+                    f"handler.{key}: only used with interaction: {other}, got interaction: {kind} "
+                    f"(drop it, or set interaction: {other})"
+                )
+    # torchrec's example defaults (dcn 3 / 512, MLPerf DLRMv2's too); branch sizes fitted to D
+    examples = {"dcn_num_layers": "3", "dcn_low_rank_dim": "512",
+                **dict.fromkeys(INTERACTIONS["projection"], f"[{4 * dim}, {2 * dim}]")}
+    for key in own:
+        if key not in raw:
+            raise ConfigError(f"handler.{key}: required with interaction: {kind} (e.g. {key}: {examples[key]})")
+    out: dict[str, Any] = {}
+    for key in own:
+        if key.endswith("_layer_sizes"):
+            sizes = _layer_sizes(raw[key], key, examples[key])
+            if sizes[-1] % dim:
+                raise ConfigError(
+                    f"handler.{key}: the last size must be a multiple of embedding_dim ({dim}), got "
+                    f"{list(sizes)} (e.g. [{4 * dim}, {2 * dim}])"
+                )
+            out[key] = sizes
+        else:
+            out[key] = _positive_int(raw[key], key, examples[key])
+    return out
 
 
 def _positive_int(value: Any, key: str, example: str) -> int:

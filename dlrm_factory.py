@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torchrec.models.dlrm import DLRM
+from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRM_Projection
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -53,7 +53,9 @@ class DLRMFactory:
         ]
 
     def build(self, device: torch.device | str = "cpu", tables_on_meta: bool = False) -> DLRM:
-        """The DLRM with torchrec's default init. ``tables_on_meta`` allocates no table memory.
+        """The DLRM of ``handler.interaction`` (torchrec's ``DLRM``, ``DLRM_DCN`` or
+        ``DLRM_Projection``, all ``DLRM`` subclasses) with torchrec's default init.
+        ``tables_on_meta`` allocates no table memory.
 
         Only the embedding tables may live on ``meta``: a whole DLRM built there keeps its
         non-persistent ``triu_indices`` buffer on meta and silently returns garbage logits.
@@ -62,13 +64,25 @@ class DLRMFactory:
         ebc = EmbeddingBagCollection(
             tables=self.tables("fp32"), device=torch.device("meta" if tables_on_meta else device)
         )
-        return DLRM(
+        common = dict(
             embedding_bag_collection=ebc,
             dense_in_features=c.num_dense_features,
             dense_arch_layer_sizes=list(c.dense_arch_layer_sizes),
             over_arch_layer_sizes=list(c.over_arch_layer_sizes),
             dense_device=torch.device(device),
         )
+        if c.interaction == "dcn":
+            model = DLRM_DCN(**common, dcn_num_layers=c.dcn_num_layers, dcn_low_rank_dim=c.dcn_low_rank_dim)
+            # torchrec builds the cross network on the default device, whatever dense_device says
+            model.inter_arch.to(device)
+            return model
+        if c.interaction == "projection":
+            return DLRM_Projection(
+                **common,
+                interaction_branch1_layer_sizes=list(c.interaction_branch1_layer_sizes),
+                interaction_branch2_layer_sizes=list(c.interaction_branch2_layer_sizes),
+            )
+        return DLRM(**common)
 
     def random(self, seed: int | None = None) -> DLRM:
         """Seeded random weights under which every input visibly moves the score.
@@ -76,16 +90,18 @@ class DLRMFactory:
         torchrec's default table init (about +-1/sqrt(rows)) leaves every score near 0.5 whatever
         the ids, which would hide a mis-packed batch. Tables are drawn from U(-1, 1) instead, and
         the last layer is rescaled so that logits on random inputs have mean 0 and std 1: far
-        from the sigmoid's flat ends.
+        from the sigmoid's flat ends. Every dense parameter (bottom MLP, the interaction's cross
+        network or projection branches, top MLP) is redrawn too, so the seed alone fixes them.
         """
         c = self.config
         gen = torch.Generator().manual_seed(c.seed if seed is None else seed)
         model = self.build("cpu")
         with torch.no_grad():
-            # Redraw everything from our generator, so the seed alone fixes the weights.
-            for mlp in (model.dense_arch, model.over_arch):
-                for p in mlp.parameters():
-                    bound = p.shape[1] ** -0.5 if p.dim() == 2 else 0.1  # weight: 1/sqrt(fan_in)
+            for part in (model.dense_arch, model.inter_arch, model.over_arch):
+                for p in part.parameters():
+                    # Linear weights [out, in] and the cross network's W [in, rank] / V [rank, in]
+                    # all multiply along dim 1: +-1/sqrt(fan_in) keeps each layer's scale.
+                    bound = p.shape[1] ** -0.5 if p.dim() == 2 else 0.1
                     p.uniform_(-bound, bound, generator=gen)
             for table in model.sparse_arch.embedding_bag_collection.embedding_bags.values():
                 table.weight.uniform_(-1.0, 1.0, generator=gen)

@@ -20,11 +20,16 @@ Workers per budget, two rules:
 startupTimeout: worker start (--base-seconds) plus reading every table byte at --disk-mbps,
 times 1.5. That is the GPU / cold-cache bound; a CPU worker maps the file and reads rows
 lazily, so it starts in about --base-seconds.
+
+A config whose tables are capped copies of a bigger model's may list the uncapped row counts
+in a comment, ``# full: [rows, ...]`` (one per sparse feature; model-config.dlrmv2.yaml does):
+the report then sizes those too ("uncapped"; ``full`` in --json).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
@@ -79,15 +84,38 @@ def report(config, budget: int, worker: int, base_s: float, disk_mbps: float) ->
 
 
 def _dense_params(c) -> int:
-    """Parameter count of the dense arch, interaction and over arch (what each worker copies)."""
-    n, prev = 0, c.num_dense_features
-    for size in c.dense_arch_layer_sizes:
-        n, prev = n + prev * size + size, size
-    F = c.num_features
-    prev = c.embedding_dim + (F + 1) * F // 2  # DLRM's over arch input: dense + pairwise dots
-    for size in c.over_arch_layer_sizes:
-        n, prev = n + prev * size + size, size
-    return n
+    """Parameter count of the dense arch, interaction and over arch (what each worker copies),
+    read off the config's model built on ``meta`` (no memory): exact for every interaction."""
+    import torch
+
+    from dlrm_factory import DLRMFactory
+    from dlrm_scale import EBC
+
+    with torch.device("meta"):
+        model = DLRMFactory(c).build("meta", tables_on_meta=True)
+    return sum(p.numel() for name, p in model.named_parameters() if not name.startswith(EBC))
+
+
+def full_rows(path: str | Path, config) -> tuple[int, ...] | None:
+    """The uncapped rows of a ``# full: [...]`` comment in the config file (it may run over
+    several comment lines), or None when there is none."""
+    import yaml
+
+    m = re.search(r"^#\s*full:\s*(\[[^\]]*\])", Path(path).read_text(), re.M)
+    if not m:
+        return None
+    rows = yaml.safe_load(re.sub(r"\n\s*#", " ", m.group(1)))
+    if len(rows) != config.num_features or not all(isinstance(r, int) and r > 0 for r in rows):
+        sys.exit(f"error: {path}: '# full:' must list one positive row count per sparse feature "
+                 f"({config.num_features}), got {rows!r}")
+    return tuple(rows)
+
+
+def _print_budget(rep: dict, dtypes: list[str]) -> None:
+    print(f"{'':<16}{'':>14}" + "".join(f"{d:>13}" for d in dtypes))
+    for key, label in (("workers_unshared", "workers, copies"), ("workers_shared", "workers, mmap"),
+                       ("startup_timeout_s", "startupTimeout")):
+        print(f"{label:<30}" + "".join(f"{rep['dtypes'][d][key]:>13}" for d in dtypes))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -119,6 +147,10 @@ def main(argv: list[str] | None = None) -> dict:
 
         args.memory = psutil.virtual_memory().total
     rep = report(config, args.memory, args.worker_overhead, args.base_seconds, args.disk_mbps)
+    full = full_rows(args.config, config)
+    if full:
+        rep["full"] = report(dataclasses.replace(config, num_embeddings=full), args.memory, args.worker_overhead,
+                             args.base_seconds, args.disk_mbps)
     if args.json:
         print(json.dumps(rep, indent=2))
         return rep
@@ -130,10 +162,14 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'total':<16}{sum(config.num_embeddings):>14,}" + "".join(f"{human(rep['dtypes'][d]['table_bytes']):>13}" for d in dtypes))
     print(f"\ndense part {human(rep['dense_bytes'])}; budget {human(args.memory)}, "
           f"{human(args.worker_overhead)} per worker process")
-    print(f"{'':<16}{'':>14}" + "".join(f"{d:>13}" for d in dtypes))
-    for key, label in (("workers_unshared", "workers, copies"), ("workers_shared", "workers, mmap"),
-                       ("startup_timeout_s", "startupTimeout")):
-        print(f"{label:<30}" + "".join(f"{rep['dtypes'][d][key]:>13}" for d in dtypes))
+    _print_budget(rep, dtypes)
+    if full:
+        capped = sum(f != r for f, r in zip(full, config.num_embeddings))
+        print(f"\nuncapped: the config's '# full:' rows ({capped} of {config.num_features} tables are capped "
+              f"in the config)")
+        print(f"{'total':<16}{sum(full):>14,}"
+              + "".join(f"{human(rep['full']['dtypes'][d]['table_bytes']):>13}" for d in dtypes))
+        _print_budget(rep["full"], dtypes)
     print("\n'copies': each worker holds the tables (GPU, or the seed's floor(memory / model) rule); "
           "'mmap': CPU workers share one page-cache copy of the archive's tables.")
     return rep

@@ -32,6 +32,17 @@ def tiny_config(**changes) -> DLRMConfig:
     return DLRMConfig.from_dict({**TINY, **changes})
 
 
+def variant(interaction: str, dim: int = 8) -> dict:
+    """The handler keys of a small ``interaction`` variant fitted to embedding_dim ``dim``:
+    dcn 2 layers of rank 4; projection branches ending in 2 x D and 3 x D (F1 = 2, F2 = 3)."""
+    return {
+        "dot": {},
+        "dcn": {"interaction": "dcn", "dcn_num_layers": 2, "dcn_low_rank_dim": 4},
+        "projection": {"interaction": "projection", "interaction_branch1_layer_sizes": [2 * dim, 2 * dim],
+                       "interaction_branch2_layer_sizes": [3 * dim]},
+    }[interaction]
+
+
 @pytest.fixture(scope="session")
 def config() -> DLRMConfig:
     return tiny_config()

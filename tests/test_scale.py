@@ -18,38 +18,12 @@ from dlrm_config import DLRMConfig
 from dlrm_errors import ConfigError
 from dlrm_factory import DLRMFactory
 from dlrm_scale import EBC, quantize, shard, sharded_placement, table_bytes, worker_devices
-from helpers import DENSE, body, instance
+from helpers import DENSE, archive, batch, body, forward, instance, mapped_file
 
 QUANTIZED = ["fp16", "int8", "int4"]
 # max |logit - fp32 logit| on the tiny model (U(-1, 1) tables, logits of std 1): the error
 # grows with coarser steps; int4 has 16 levels over each row's range.
 LOGIT_TOL = {"fp16": 0.02, "int8": 0.1, "int4": 1.5}
-
-
-def archive(tmp_path: Path, model, dtype: str) -> Path:
-    """What build_mar.py writes as dlrm.pt for ``dtype``."""
-    path = tmp_path / f"dlrm-{dtype}.pt"
-    torch.save(DLRMFactory(tiny_config(embedding_dtype=dtype)).archive_state(copy.deepcopy(model)), path)
-    return path
-
-
-def batch(n=64, seed=1):
-    return DLRMFactory(tiny_config()).probe_batch(n, torch.Generator().manual_seed(seed))
-
-
-def forward(model, dense, kjt):
-    with torch.inference_mode():
-        return model(dense, kjt)
-
-
-def mapped_file(ptr: int) -> str | None:
-    """The file mapped at address ``ptr`` in this process, from /proc/self/maps."""
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        parts = line.split(maxsplit=5)
-        lo, hi = (int(x, 16) for x in parts[0].split("-"))
-        if lo <= ptr < hi:
-            return parts[5] if len(parts) == 6 else None
-    return None
 
 
 # --- config -----------------------------------------------------------------------------------
