@@ -245,8 +245,7 @@ def derive_config(ckpt: Checkpoint) -> tuple[dict, list[str], list[str]]:
         interaction = "projection"
         handler.update(interaction_branch1_layer_sizes=_mlp(ckpt, "inter_arch.interaction_branch1.model._mlp"),
                        interaction_branch2_layer_sizes=_mlp(ckpt, "inter_arch.interaction_branch2.model._mlp"))
-    if interaction != "dot" or "interaction" in DLRMConfig.__dataclass_fields__:
-        handler = {"interaction": interaction, **handler}
+    handler = {"interaction": interaction, **handler}
     handler.update(pooling="sum", output="probability", embedding_dtype="fp32")
     derived = [
         f"interaction {interaction} ({'no inter_arch weights' if interaction == 'dot' else 'inter_arch keys'})",

@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 import yaml
 
 import build_mar
-from conftest import TINY, call, tiny_config
+from conftest import TINY, call, tiny_config, variant
 from dlrm_checkpoint import TABLES, import_checkpoint
 from dlrm_errors import ConfigError
 from dlrm_factory import DLRMFactory
@@ -30,8 +30,8 @@ def trained_keys(model, prefix: str = "model.", table: str = "t_{}") -> dict[str
     return out
 
 
-def same_scores(state, model) -> bool:
-    served = DLRMFactory(tiny_config()).load_fp32(state)
+def same_scores(state, model, config=None) -> bool:
+    served = DLRMFactory(config or tiny_config()).load_fp32(state)
     dense, kjt = DLRMFactory(tiny_config()).probe_batch(64, torch.Generator().manual_seed(1))
     with torch.no_grad():
         return torch.equal(served(dense, kjt), model(dense, kjt))
@@ -134,6 +134,29 @@ def test_make_serve_probes_a_written_config_with_a_request_built_from_it(tmp_pat
     probe = serve.probe_from_config(str(config), tmp_path / "home")
     outputs, ctx = call(handler, [probe.read_bytes()])
     assert ctx.statuses == {} and 0 < json.loads(outputs[0])["score"] < 1
+
+
+@pytest.mark.parametrize("interaction", ["dcn", "projection"])
+def test_write_config_reads_the_variant_and_its_sizes_off_the_keys(tmp_path, interaction, capsys):
+    keys = variant(interaction)
+    model = DLRMFactory(tiny_config(**keys)).random()
+    torch.save(trained_keys(model), tmp_path / "t.pt")
+    build_mar.main(["--checkpoint", str(tmp_path / "t.pt"), "--write-config", str(tmp_path / "c.yaml")])
+    handler = yaml.safe_load((tmp_path / "c.yaml").read_text())["handler"]
+    assert {k: handler[k] for k in keys} == keys
+    assert f"[config] derived: interaction {interaction} (inter_arch keys)" in capsys.readouterr().out
+    config = tiny_config(**keys)
+    assert same_scores(import_checkpoint(tmp_path / "t.pt", config, log=lambda _: None), model, config)
+
+
+def test_a_variant_checkpoint_against_a_dot_config_names_the_first_key_that_does_not_fit(tmp_path):
+    torch.save(trained_keys(DLRMFactory(tiny_config(**variant("dcn"))).random()), tmp_path / "t.pt")
+    with pytest.raises(ConfigError) as exc:
+        import_checkpoint(tmp_path / "t.pt", tiny_config(), log=lambda _: None)
+    assert str(exc.value) == (
+        "checkpoint: key 'inter_arch.crossnet.W_kernels.0' [32, 4] does not fit the config: it has no such layer "
+        "(another interaction or arch? scripts/build_mar.py --checkpoint PATH --write-config OUT.yaml writes a "
+        "config that fits)")
 
 
 def test_write_config_refuses_what_is_no_dlrm(tmp_path, capsys):

@@ -74,3 +74,31 @@ def test_served_scores_are_the_trained_models_own(trained, server):
     offline, online = auc(held["scores"], held["labels"]), auc(served, held["labels"])
     assert abs(online - offline) <= 1e-6 and online == pytest.approx(held["auc"], abs=1e-6)
     assert online > 0.7, online  # the synthetic clicks carry a signal the model learned
+
+
+@pytest.mark.parametrize("interaction", ["dcn", "projection"])
+def test_every_variant_imports_to_the_trained_models_scores(tmp_path, interaction):
+    """train.py (DMP, one rank) -> --write-config -> the import the build runs -> the archive's
+    model scores the held-out rows as the trainer did (the test above covers TorchServe)."""
+    import torch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from dlrm_checkpoint import import_checkpoint
+    from dlrm_config import DLRMConfig
+    from dlrm_factory import DLRMFactory
+
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "--out", str(tmp_path), "--world-size", "1",
+                    "--interaction", interaction, "--steps", "40", "--heldout", "200"], check=True, timeout=300)
+    config_path = tmp_path / "model-config.yaml"
+    build_mar.main(["--checkpoint", str(tmp_path / "checkpoint"), "--write-config", str(config_path)])
+    config = DLRMConfig.from_yaml(config_path)
+    assert config.interaction == interaction
+    model = DLRMFactory(config).load_fp32(import_checkpoint(tmp_path / "checkpoint", config, log=lambda _: None))
+    held = json.loads((tmp_path / "heldout.json").read_text())
+    dense = torch.tensor([r["dense"] for r in held["rows"]])
+    ids = torch.tensor([r["sparse"]["values"] for r in held["rows"]])
+    kjt = KeyedJaggedTensor(keys=held["sparse_features"], values=ids.T.reshape(-1),  # key-major
+                            lengths=torch.ones(ids.numel(), dtype=torch.long))
+    with torch.no_grad():
+        scores = torch.sigmoid(model(dense, kjt).squeeze(1))
+    assert torch.allclose(scores, torch.tensor(held["scores"]), atol=1e-5, rtol=0)
