@@ -44,7 +44,7 @@ ready:
 
 # Build the next model version from CONFIG and roll it out with no downtime (README, Operations).
 rollout: venv
-	$(PY) scripts/rollout.py --config $(CONFIG) $(SAMPLE_ARG)
+	$(PY) scripts/rollout.py --config $(CONFIG) $(SAMPLE_ARG) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT))
 
 rollback: venv
 	$(PY) scripts/rollout.py --rollback $(SAMPLE_ARG)

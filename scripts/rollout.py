@@ -232,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="folder the running server was started from (default: %(default)s)")
     ap.add_argument("--model", default="dlrm", help="model name (default: %(default)s)")
     ap.add_argument("--config", default=str(ROOT / "model-config.yaml"), help="model config to build (default: %(default)s)")
-    ap.add_argument("--checkpoint", help="trained state_dict to build with (default: seeded random weights)")
+    ap.add_argument("--checkpoint", help="trained checkpoint to build with: .pt/.pth or a DCP directory "
+                    "(default: seeded random weights)")
     ap.add_argument("--version", help="version to build (default: the serving version's major + 1, e.g. 1.0 -> 2.0)")
     ap.add_argument("--archive", help="roll out this archive (a .mar in the model store) instead of building one")
     ap.add_argument("--rollback", action="store_true", help="return to the version before the last rollout")
