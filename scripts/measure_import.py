@@ -43,8 +43,6 @@ def main(argv: list[str] | None = None) -> dict:
     import subprocess
 
     import build_mar
-    import dlrm_checkpoint  # noqa: F401  (imports torch.distributed.checkpoint before the baseline)
-    import dlrm_factory  # noqa: F401
 
     with tempfile.TemporaryDirectory(prefix="measure-import-") as tmp:
         tmp = Path(tmp)
@@ -54,6 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "--dim", str(args.dim), "--dense-arch", f"32,{args.dim}", "--steps", "2",
                         "--heldout", "64"], check=True)
         ckpt, config = tmp / "train" / "checkpoint", tmp / "config.yaml"
+        # Also imports everything the build needs (torchrec, DCP) before the baseline is taken.
         build_mar.main(["--checkpoint", str(ckpt), "--write-config", str(config)])
         table_bytes = args.tables * args.rows * args.dim * 4
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
