@@ -94,11 +94,14 @@ class Rollout:
         else:
             say(f"register {archive}: starting its workers (up to {self.timeout:.0f} s)")
             query = urllib.parse.urlencode({"url": archive, "model_name": self.model, "synchronous": "true"})
+            since = self.srv.log_size()
             status, answer = self.call("POST", f"/models?{query}", timeout=self.timeout)
             if status != 200:
                 self.discard(version)
-                raise RolloutError(f"register {archive}: HTTP {status} {_message(answer)}; see the server's "
-                                   f"model_log.log. {self.model} {old['modelVersion']} is still serving")
+                why = self.srv.worker_error(self.model, version, since)
+                raise RolloutError(f"register {archive}: HTTP {status} {_message(answer)}; "
+                                   + (f"the worker said: {why}" if why else "see the server's model_log.log")
+                                   + f". {self.model} {old['modelVersion']} is still serving")
 
         say(f"verify {version}: workers up and a probe scored through /predictions/{self.model}/{version}")
         try:
