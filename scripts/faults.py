@@ -202,6 +202,7 @@ def row(name: str, res: LoadResult | None, wrong: int, **extra) -> dict:
     if res and res.latencies_ms:
         r["latency_ms_p50_p99"] = [round(res.percentile(50), 1), round(res.percentile(99), 1)]
         r["requests_per_s"] = round(res.answered / res.wall_s, 1)
+        r["max_wait_s"] = round(max(res.latencies_ms) / 1000, 2)  # the longest any client waited
     if res:
         r["statuses"] = {str(k): v for k, v in sorted(st.items())}
     r.update(extra)
@@ -232,6 +233,23 @@ def first_ok_sent_after(res: LoadResult, t: float) -> float | None:
 # --- scenarios ----------------------------------------------------------------------------------
 
 
+async def under_load(b: Bench, fault, lead: float = 2.0, tail: float = 2.0, concurrency: int | None = None):
+    """The steady load from ``lead`` s before ``fault()`` until ``tail`` s after it returned (or
+    raised); returns (LoadResult, wrong scores, what ``fault()`` returned)."""
+    stop = asyncio.Event()
+
+    async def run():
+        await asyncio.sleep(lead)
+        try:
+            return await fault()
+        finally:
+            await asyncio.sleep(tail)
+            stop.set()
+
+    (res, wrong), out = await asyncio.gather(b.load(concurrency or b.args.concurrency, 3600, stop), run())
+    return res, wrong, out
+
+
 async def baseline(b: Bench) -> dict:
     rss = b.rss_mb()
     res, wrong = await b.load(b.args.concurrency, b.args.baseline)
@@ -246,11 +264,9 @@ async def baseline(b: Bench) -> dict:
 async def _signal_worker_during_load(b: Bench, name: str, sig: int, times: int, gap: float, hold: float = 0.0):
     """Load at the issue's c=16 while ``sig`` hits the serving worker ``times`` times, ``gap`` s
     apart (SIGSTOP: continued after ``hold`` s, unless TorchServe killed it first)."""
-    stop = asyncio.Event()
     faults: list[tuple[float, int]] = []
 
     async def inject():
-        await asyncio.sleep(2.0)
         for n in range(times):
             pid = b.worker_pid()
             t = time.perf_counter()
@@ -266,11 +282,9 @@ async def _signal_worker_during_load(b: Bench, name: str, sig: int, times: int, 
             # Bounded wait until the replacement answers, then on to the next fault.
             await wait_model_back(b, pid, b.args.deadline)
             await asyncio.sleep(max(0.0, gap - (time.perf_counter() - t)))
-        await asyncio.sleep(2.0)
-        stop.set()
 
     rss = b.rss_mb()
-    (res, wrong), _ = await asyncio.gather(b.load(b.args.concurrency, 3600, stop), inject())
+    res, wrong, _ = await under_load(b, inject)
     r = row(name, res, wrong, rss_mb_before=rss, rss_mb_after=b.rss_mb())
     common_checks(r)
     recoveries, loads, in_hands, windows = [], [], [], []
@@ -334,11 +348,9 @@ async def worker_hung(b: Bench) -> dict:
 
 async def server_restarted(b: Bench) -> dict:
     """``make stop`` then ``make serve`` (the same tsctl calls on the private server) under load."""
-    stop = asyncio.Event()
     marks = {}
 
     async def restart():
-        await asyncio.sleep(2.0)
         marks["stop"] = time.perf_counter()
         say("  server restarted: stopping TorchServe")
         await asyncio.to_thread(b.srv.stop)
@@ -347,11 +359,9 @@ async def server_restarted(b: Bench) -> dict:
         await asyncio.to_thread(b.srv.start)
         await asyncio.to_thread(b.srv.wait_ready, MODEL, b.pool[0], 180)
         marks["ready"] = time.perf_counter()
-        await asyncio.sleep(2.0)
-        stop.set()
 
     rss = b.rss_mb()
-    (res, wrong), _ = await asyncio.gather(b.load(b.args.concurrency, 3600, stop), restart())
+    res, wrong, _ = await under_load(b, restart)
     back = first_ok_sent_after(res, marks["stopped"])
     r = row("server restarted", res, wrong, rss_mb_before=rss, rss_mb_after=b.rss_mb(),
             recovery_s=round(back - marks["stop"], 2) if back else None,
@@ -369,21 +379,15 @@ async def rollout_under_load(b: Bench) -> dict:
     """scripts/rollout.py builds version N+1 from the same config and swaps it in under load."""
     import rollout
 
-    stop = asyncio.Event()
-    rc = {}
-
-    async def roll():
-        await asyncio.sleep(1.0)
-        rc["rc"] = await asyncio.to_thread(
+    def roll():
+        return asyncio.to_thread(
             rollout.main, ["--home", str(b.srv.home), "--config", str(b.config_path), "--timeout", "180"])
-        await asyncio.sleep(1.0)
-        stop.set()
 
     rss = b.rss_mb()
-    (res, wrong), _ = await asyncio.gather(b.load(b.args.concurrency, 3600, stop), roll())
+    res, wrong, rc = await under_load(b, roll, lead=1.0, tail=1.0)
     r = row("rollout", res, wrong, rss_mb_before=rss, rss_mb_after=b.rss_mb())
     common_checks(r)
-    check(r, "rollout.py succeeded", rc.get("rc") == 0, rc.get("rc"))
+    check(r, "rollout.py succeeded", rc == 0, rc)
     check(r, "no request failed", not failed(res), len(failed(res)))
     return r
 
@@ -516,7 +520,6 @@ async def archive_faults(b: Bench) -> dict:
     which calls the management API) while the good model serves."""
     import rollout
 
-    stop = asyncio.Event()
     answers = {}
 
     async def register():
@@ -529,10 +532,8 @@ async def archive_faults(b: Bench) -> dict:
             answers[why] = {"archive": archive, "rc": rc, "seconds": round(time.perf_counter() - t, 1),
                             "message": err.getvalue().strip()[:400]}
             say(f"  archive faults: {why}: exit {rc} in {answers[why]['seconds']} s: {answers[why]['message']}")
-        await asyncio.sleep(1.0)
-        stop.set()
 
-    (res, wrong), _ = await asyncio.gather(b.load(4, 3600, stop), register())
+    res, wrong, _ = await under_load(b, register, lead=0.5, tail=1.0, concurrency=4)
     r = row("archive faults", res, wrong, registrations=answers)
     common_checks(r)
     check(r, "the serving model kept answering 200", not failed(res), res.statuses)
@@ -587,7 +588,7 @@ async def logs_disk(b: Bench) -> list[dict]:
 
 
 COLUMNS = ["scenario", "requests", "200", "4xx", "5xx", "conn err", "unanswered", "wrong scores", "recovery s",
-           "RSS MB before (fe/worker)", "RSS MB after (fe/worker)", "checks"]
+           "max wait s", "RSS MB before (fe/worker)", "RSS MB after (fe/worker)", "checks"]
 
 
 def table(rows: list[dict]) -> str:
@@ -598,7 +599,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         n_ok = sum(c["ok"] for c in r["checks"].values())
         cells = [r["scenario"], r["requests"], r["ok"], r["4xx"], r["5xx"], r["conn_errors"], r["unanswered"],
-                 r["wrong_scores"], "" if r["recovery_s"] is None else r["recovery_s"],
+                 r["wrong_scores"], "" if r["recovery_s"] is None else r["recovery_s"], r.get("max_wait_s", ""),
                  rss(r["rss_mb_before"]), rss(r["rss_mb_after"]),
                  r.get("skipped") or f"{n_ok}/{len(r['checks'])}"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
