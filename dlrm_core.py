@@ -26,8 +26,8 @@ import itertools
 import json
 import math
 import re
-from dataclasses import dataclass, field
-from typing import Annotated, Any, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable, Mapping, Sequence
 
 import msgspec
 import numpy as np
@@ -73,21 +73,72 @@ _DECODER = msgspec.json.Decoder(_Request)
 class ParsedRequest:
     """One validated request of n rows, laid out for collation.
 
-    ``values`` holds its ids in request order; segment s (one key of one row) covers the next
-    ``seg_length[s]`` of them, for feature ``seg_feature[s]``; row r has ``row_segments[r]``
-    segments.
+    ``values`` holds its ids; segment s (one bag: one feature of one row) covers the next
+    ``seg_length[s]`` of them, for feature ``seg_feature[s]`` of row ``seg_row[s]``. Segments
+    may come in any order (row by row from instances, feature by feature from columns): collate
+    sorts them into the KJT's key-major order. E.g. rows b0 = {f1: [7], f0: [3, 4]}, b1 = {f0: [5]}:
+    values [7, 3, 4, 5], seg_feature [1, 0, 0], seg_row [0, 0, 1], seg_length [1, 2, 1].
+    The sequences are lists or numpy arrays.
     """
 
     n: int
-    dense: list[float]  # n * F_dense floats, row-major
-    values: list[int]
-    seg_feature: list[int]
-    seg_length: list[int]
-    row_segments: list[int]
-    # For error messages only: instances form or not, each row's values field and first id.
-    wrapped: bool = False
-    row_values_field: list[str] = field(default_factory=list)
-    row_value_start: list[int] = field(default_factory=list)
+    dense: Sequence[float]  # n * F_dense floats, row-major
+    values: Sequence[int]
+    seg_feature: Sequence[int]
+    seg_length: Sequence[int]
+    seg_row: Sequence[int]
+    # For error messages only: the position of an id in ``values`` -> the field that holds it,
+    # e.g. "instances[1].sparse.values[0]".
+    id_field: Callable[[int], str] = str
+
+    @classmethod
+    def columnar(
+        cls,
+        dense: np.ndarray,
+        bags: Mapping[int, tuple[np.ndarray, np.ndarray]],
+        fields: Mapping[int, tuple[str, str]],
+    ) -> "ParsedRequest":
+        """n rows given feature by feature: ``dense`` float32 ``[n, F_dense]``; ``bags[f]`` =
+        (lengths ``[n]``, values ``[sum(lengths)]``), int64, for each feature sent (a feature
+        left out is an empty bag in every row); ``fields[f]`` = the request's names of that
+        feature's (lengths, values), for messages. Raises BadRequest naming the field.
+
+        E.g. f0 lengths [2, 1] values [3, 4, 5] and f1 lengths [1, 0] values [7] is the example
+        of the class docstring.
+        """
+        n = int(dense.shape[0])
+        feats = list(bags)
+        for f in feats:
+            lengths, values = bags[f]
+            lengths_field, values_field = fields[f]
+            if lengths.shape != (n,):
+                raise BadRequest(f"{lengths_field}: expected one length per row ({n}), got shape {list(lengths.shape)}")
+            if n and int(lengths.min()) < 0:
+                raise BadRequest(f"{lengths_field}[{int(np.argmax(lengths < 0))}]: expected a non-negative integer, "
+                                 f"got {int(lengths[lengths < 0][0])}")
+            total = int(lengths.sum())
+            if values.shape != (total,):
+                raise BadRequest(f"{values_field}: expected sum({lengths_field}) = {total} ids, got shape "
+                                 f"{list(values.shape)}")
+            if total and int(values.min()) < 0:
+                raise BadRequest(f"{values_field}[{int(np.argmax(values < 0))}]: expected a non-negative integer, "
+                                 f"got {int(values[values < 0][0])}")
+        starts = list(itertools.accumulate((len(bags[f][1]) for f in feats), initial=0))
+
+        def id_field(pos: int) -> str:
+            k = bisect.bisect_right(starts, pos) - 1
+            return f"{fields[feats[k]][1]}[{pos - starts[k]}]"
+
+        empty = np.zeros(0, dtype=np.int64)
+        return cls(
+            n,
+            np.ascontiguousarray(dense, dtype=np.float32).reshape(-1),
+            np.concatenate([bags[f][1] for f in feats]).astype(np.int64, copy=False) if feats else empty,
+            np.repeat(np.array(feats, dtype=np.int64), n),
+            np.concatenate([bags[f][0] for f in feats]).astype(np.int64, copy=False) if feats else empty,
+            np.tile(np.arange(n, dtype=np.int64), len(feats)),
+            id_field,
+        )
 
 
 @dataclass
@@ -139,15 +190,24 @@ class RequestParser:
                 f"(handler.max_ids_per_request), got {n_ids}"
             )
 
-        out = ParsedRequest(len(instances), [], [], [], [], [], wrapped=wrapped)
+        out = ParsedRequest(len(instances), [], [], [], [], [])
+        # Per row, for messages only: where its ids start in out.values and their field's name.
+        value_start, values_field = [], []
         for row, inst in enumerate(instances):
-            out.row_value_start.append(len(out.values))
-            self._add_instance(inst, row, out)
+            value_start.append(len(out.values))
+            values_field.append(self._add_instance(inst, row, wrapped, out))
+
+        def id_field(pos: int) -> str:
+            row = bisect.bisect_right(value_start, pos) - 1
+            return f"{'instances[%d].' % row if wrapped else ''}{values_field[row]}[{pos - value_start[row]}]"
+
+        out.id_field = id_field
         return out
 
-    def _add_instance(self, inst: _Instance, row: int, out: ParsedRequest) -> None:
+    def _add_instance(self, inst: _Instance, row: int, wrapped: bool, out: ParsedRequest) -> str:
+        """Append one instance's row to ``out``; returns the name of its ids' field."""
         c = self.config
-        p = f"instances[{row}]." if out.wrapped else ""  # cheap; only error messages use it
+        p = f"instances[{row}]." if wrapped else ""  # cheap; only error messages use it
         if inst.sparse is not None or inst.dense is not None:
             if inst.float_features is not None or inst.id_list_lengths is not None or inst.id_list_values is not None:
                 raise BadRequest(f"{p}dense: use either dense + sparse or float_features + id_list_features.*, not both")
@@ -186,8 +246,8 @@ class RequestParser:
         out.values.extend(values)
         out.seg_feature.extend(features)
         out.seg_length.extend(lengths)
-        out.row_segments.append(len(lengths))
-        out.row_values_field.append(values_field)
+        out.seg_row.extend(itertools.repeat(row, len(lengths)))
+        return values_field
 
     def _features(self, keys: tuple[str, ...], p: str) -> list[int]:
         """Feature indices of a key list, validated once per distinct list: the instances of a
@@ -244,12 +304,16 @@ def _collate(
     B = sum(rows)
 
     def cat(name: str, dtype=np.int64) -> np.ndarray:
-        return np.array(list(itertools.chain.from_iterable(getattr(r, name) for r in requests)), dtype=dtype)
+        parts = [getattr(r, name) for r in requests]
+        if all(isinstance(p, list) for p in parts):
+            return np.array(list(itertools.chain.from_iterable(parts)), dtype=dtype)
+        return np.concatenate([np.asarray(p, dtype=dtype) for p in parts])
 
     dense = cat("dense", np.float32).reshape(B, config.num_dense_features)
     values = cat("values")
     seg_feature, seg_length = cat("seg_feature"), cat("seg_length")
-    seg_row = np.repeat(np.arange(B), cat("row_segments"))
+    # Each request's local rows, offset by the rows of the requests before it.
+    seg_row = cat("seg_row") + np.repeat(np.cumsum([0] + rows[:-1]), [len(r.seg_row) for r in requests])
 
     # Bounds first, in request order: every id must name a row of its feature's table.
     limit = _table_rows(config)[np.repeat(seg_feature, seg_length)]
@@ -287,12 +351,10 @@ def _out_of_range_errors(
         pos, id_ = int(src_pos[first]), int(ids[first])
         r, local = requests[i], pos - value_offset[i]
         s = bisect.bisect_right(list(itertools.accumulate(r.seg_length)), local)
-        row = bisect.bisect_right(list(itertools.accumulate(r.row_segments)), s)
-        f = r.seg_feature[s]
+        f = int(r.seg_feature[s])
         name, n_rows = config.sparse_features[f], config.num_embeddings[f]
-        prefix = f"instances[{row}]." if r.wrapped else ""
         errors[i] = BadRequest(
-            f"{prefix}{r.row_values_field[row]}[{local - r.row_value_start[row]}]: "
+            f"{r.id_field(local)}: "
             f"id {id_} is out of range for feature {name!r} (table of {n_rows} rows: expected 0..{n_rows - 1}; "
             f"handler.id_overflow: modulo folds ids instead)"
         )
@@ -356,7 +418,42 @@ def _decode(body: Any) -> _Request:
             raise BadRequest(f"body: expected UTF-8 JSON, got an invalid byte at position {u.start}") from None
         if isinstance(e, msgspec.ValidationError):
             raise BadRequest(_explain(str(e), lambda: msgspec.json.decode(raw))) from None
+        where = _non_finite_literal(raw, str(e))
+        if where:
+            raise BadRequest(f"{where}: NaN and Infinity are not numbers in JSON; send a finite number") from None
         raise BadRequest(f"body: expected a JSON object, got malformed JSON ({_lower(str(e))})") from None
+
+
+_AT_BYTE = re.compile(r"\(byte (\d+)\)$")
+# What clients' encoders write for non-finite floats (Python's json: NaN, Infinity, -Infinity).
+_NON_FINITE = re.compile(rb"-?(?:NaN|nan|Infinity|infinity|inf|Inf)")
+
+
+def _non_finite_literal(raw: bytes, error: str) -> str | None:
+    """The path of a NaN/Infinity literal that made ``raw`` malformed JSON, e.g. ``dense[2]``.
+
+    The literal is swapped for a string of the same name and the body decoded again: the schema
+    then refuses the string at its path. None when the error is something else.
+    """
+    m = _AT_BYTE.search(error)
+    if not m:
+        return None
+    # msgspec points at, or a few bytes past, the literal's start (it reads "nan," as a "null").
+    pos = int(m.group(1))
+    lit = None
+    for found in _NON_FINITE.finditer(raw, max(0, pos - 9), pos + 10):
+        if found.start() <= pos:
+            lit = found
+    if lit is None:
+        return None
+    try:
+        _DECODER.decode(raw[: lit.start()] + b'"' + lit.group() + b'"' + raw[lit.end() :])
+    except msgspec.ValidationError as v:
+        at = _AT.search(str(v))
+        return at.group("path").lstrip(".") if at else None
+    except msgspec.MsgspecError:
+        return None
+    return None
 
 
 _AT = re.compile(r" - at `\$(?P<path>[^`]*)`$")
@@ -435,4 +532,7 @@ def _names(names: Sequence[str], limit: int = 6) -> str:
 
 
 def _lower(text: str) -> str:
-    return text[:1].lower() + text[1:]
+    """msgspec's sentence as a clause: "Input data was truncated" -> "input data was truncated";
+    an acronym keeps its case ("JSON is malformed")."""
+    word = text.split(" ", 1)[0]
+    return text if len(word) > 1 and word.isupper() else text[:1].lower() + text[1:]

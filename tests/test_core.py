@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -143,3 +144,47 @@ def test_modulo_folds_out_of_range_ids_and_counts_them(model):
 def test_response_body_shape():
     assert json.loads(response_body([0.25])) == {"score": 0.25, "scores": [0.25]}
     assert json.loads(response_body([0.25, 0.5])) == {"scores": [0.25, 0.5]}
+
+
+def columns(dense, **bags):
+    """ParsedRequest.columnar from plain lists: columns([[..5..], [..5..]], feature_0=([2, 1], [3, 4, 5]))."""
+    from dlrm_core import ParsedRequest
+
+    idx = {"feature_0": 0, "feature_1": 1, "feature_2": 2}
+    return ParsedRequest.columnar(
+        np.array(dense, dtype=np.float32),
+        {idx[k]: (np.array(lengths, dtype=np.int64), np.array(values, dtype=np.int64)) for k, (lengths, values) in bags.items()},
+        {idx[k]: (f"{k}.lengths", f"{k}.values") for k in bags},
+    )
+
+
+def test_columnar_rows_score_like_the_same_instances_in_one_batch(parser, model, config):
+    rows = [instance(DENSE, feature_0=[3, 4], feature_1=[7]), instance([1] * 5, feature_0=[5], feature_2=[9, 8])]
+    col = columns([DENSE, [1] * 5], feature_1=([1, 0], [7]), feature_0=([2, 1], [3, 4, 5]), feature_2=([0, 2], [9, 8]))
+    single = body(instance([2] * 5, feature_2=[1]))
+    batch, errors = collate([parser.parse(single), col, parser.parse(body({"instances": rows}))], config)
+    assert errors == {} and batch.rows == [1, 2, 2]
+    got = scores(model, batch, config)
+    assert got[1] == pytest.approx(got[2], abs=1e-6)
+    assert got[0] == pytest.approx(run(parser, model, config, [single])[0], abs=1e-6)
+
+
+@pytest.mark.parametrize("bags,message", [
+    ({"feature_0": ([1], [3])}, "feature_0.lengths: expected one length per row (2), got shape [1]"),
+    ({"feature_0": ([1, -1], [3])}, "feature_0.lengths[1]: expected a non-negative integer, got -1"),
+    ({"feature_0": ([1, 1], [3])}, "feature_0.values: expected sum(feature_0.lengths) = 2 ids, got shape [1]"),
+    ({"feature_0": ([1, 1], [3, -2])}, "feature_0.values[1]: expected a non-negative integer, got -2"),
+])
+def test_columnar_rejections_name_the_field(bags, message):
+    from dlrm_errors import BadRequest
+
+    with pytest.raises(BadRequest) as info:
+        columns([DENSE, DENSE], **bags)
+    assert info.value.message == message
+
+
+def test_columnar_out_of_range_id_names_its_position(config):
+    col = columns([DENSE, DENSE], feature_1=([1, 1], [2, 3]), feature_2=([0, 2], [1, 40]))
+    batch, errors = collate([col], config)
+    assert batch is None
+    assert errors[0].message.startswith("feature_2.values[1]: id 40 is out of range for feature 'feature_2'")

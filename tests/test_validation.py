@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -42,8 +43,12 @@ CASES = [
     ("dense wrong count", js({**OK, "dense": [1, 2]}), 400, "dense:", "expected 5 numbers, got 2"),
     ("dense string item", js({**OK, "dense": [1, 2, "3", 4, 5]}), 400, "dense[2]:", 'expected a number, got "3"'),
     ("dense boolean", js({**OK, "dense": [1, 2, True, 4, 5]}), 400, "dense[2]:", "expected a number, got true"),
-    ("dense NaN", b'{"dense": [1, NaN, 1, 1, 1], "sparse": {"keys": [], "values": [], "lengths": []}}', 400, "body:", "malformed JSON"),
-    ("dense Infinity", b'{"dense": [Infinity, 1, 1, 1, 1], "sparse": {"keys": [], "values": [], "lengths": []}}', 400, "body:", "malformed JSON"),
+    ("dense NaN", b'{"dense": [1, NaN, 1, 1, 1], "sparse": {"keys": [], "values": [], "lengths": []}}', 400, "dense[1]:", "NaN and Infinity are not numbers in JSON; send a finite number"),
+    ("dense Infinity", b'{"dense": [Infinity, 1, 1, 1, 1], "sparse": {"keys": [], "values": [], "lengths": []}}', 400, "dense[0]:", "NaN and Infinity are not numbers in JSON; send a finite number"),
+    ("dense -Infinity", b'{"dense": [1, 1, 1, 1, -Infinity], "sparse": {"keys": [], "values": [], "lengths": []}}', 400, "dense[4]:", "NaN and Infinity are not numbers in JSON"),
+    ("instance dense nan", b'{"instances": [{"dense": [1, 1, nan, 1, 1], "sparse": {"keys": [], "values": [], "lengths": []}}]}', 400, "instances[0].dense[2]:", "NaN and Infinity"),
+    ("id NaN", b'{"dense": [1, 1, 1, 1, 1], "sparse": {"keys": ["feature_0"], "values": [NaN], "lengths": [1]}}', 400, "sparse.values[0]:", "NaN and Infinity"),
+    ("malformed JSON keeps acronyms", b'{"dense": [1] x', 400, "body:", "(JSON is malformed: expected"),
     ("dense overflows float64", b'{"dense": [1e999, 1, 1, 1, 1], "sparse": {"keys": [], "values": [], "lengths": []}}', 400, "dense[0]:", "float32"),
     ("dense overflows float32", js({**OK, "dense": [1, 1, 1, 1, -1e39]}), 400, "dense[4]:", "float32"),
     ("sparse not object", js({"dense": DENSE, "sparse": [1]}), 400, "sparse:", "expected an object"),
@@ -108,6 +113,7 @@ def test_rejection(case, raw, status, starts, contains):
     assert err.phrase.isascii() and len(err.phrase) < 32
     assert err.body() == {"code": status, "type": type(err).__name__, "message": err.message}
     assert len(err.message) < 600  # an absurd input is never echoed whole
+    assert not re.search(r"\b[a-z][A-Z]{2,}", err.message), err.message  # never "jSON"
 
 
 def test_messages_never_echo_huge_values():
