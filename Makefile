@@ -14,7 +14,7 @@ SOURCES := dlrm_handler.py dlrm_factory.py dlrm_core.py dlrm_config.py dlrm_erro
 CHECKPOINT ?=
 CKPT_FILES := $(if $(CHECKPOINT),$(or $(wildcard $(CHECKPOINT)/.metadata $(CHECKPOINT)/*),$(CHECKPOINT)))
 
-.PHONY: venv mar serve ready rollout rollback stop test unit integration bench soak clean FORCE
+.PHONY: venv mar serve ready rollout rollback stop test unit integration bench soak faults clean FORCE
 
 # Creates .venv and installs the pinned stack; a no-op once done (see scripts/install.sh).
 venv:
@@ -69,6 +69,11 @@ bench: venv
 # Mixed good/bad load against a private TorchServe; every answer checked. See README.
 soak: venv $(MAR)
 	$(PY) scripts/soak.py --duration 600 --concurrency 64 --json results/soak.json
+
+# Kill, hang, restart, flood and starve a private TorchServe under load; every answer checked
+# (results/faults.{json,md}); see README "Faults". Up to 10 minutes; root for the logs tmpfs.
+faults: venv
+	$(PY) scripts/faults.py --json results/faults.json --table results/faults.md
 
 clean: stop
 	rm -rf model_store .serve logs

@@ -14,6 +14,7 @@ from typing import Awaitable, Callable
 from urllib.parse import urlsplit
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+TRANSPORT_ERROR, TIMEOUT = 0, -1  # LoadResult.events statuses besides HTTP codes
 
 
 class Connection:
@@ -77,11 +78,15 @@ class Connection:
 class LoadResult:
     sent: int = 0
     answered: int = 0
-    transport_errors: int = 0
+    transport_errors: int = 0  # connection refused or reset, twice in a row (see Connection.post)
+    timeouts: int = 0  # no answer within ``deadline_s``: a hung client
     latencies_ms: list = field(default_factory=list)
     statuses: dict = field(default_factory=dict)
     wall_s: float = 0.0
     client_cpu_s: float = 0.0
+    # With ``record=True``: (sent, done, status) per request, perf_counter seconds; status is
+    # the HTTP status, TRANSPORT_ERROR or TIMEOUT (faults.py reads recovery times from these).
+    events: list = field(default_factory=list)
 
     def percentile(self, q: float) -> float:
         return percentile(self.latencies_ms, q)
@@ -103,9 +108,14 @@ async def run_load(
     max_requests: int,
     headers: dict | None = None,
     progress: Callable[[LoadResult, float], Awaitable[None] | None] | None = None,
+    deadline_s: float | None = None,
+    record: bool = False,
+    stop: asyncio.Event | None = None,
 ) -> LoadResult:
-    """``concurrency`` clients, each sending one request at a time until ``duration_s`` or
-    ``max_requests``. ``next_request(i)`` returns the body and a check called with the answer."""
+    """``concurrency`` clients, each sending one request at a time until ``duration_s``,
+    ``max_requests`` or ``stop`` is set. ``next_request(i)`` returns the body and a check called
+    with the answer. A request unanswered after ``deadline_s`` counts as a timeout (its
+    connection is dropped)."""
     result = LoadResult()
     started = time.perf_counter()
     deadline = started + duration_s
@@ -116,17 +126,26 @@ async def run_load(
         conn = Connection(url, headers)
         try:
             for i in counter:
-                if time.perf_counter() >= deadline:
+                if time.perf_counter() >= deadline or (stop is not None and stop.is_set()):
                     break
                 body, check = next_request(i)
                 result.sent += 1
                 t0 = time.perf_counter()
                 try:
-                    status, answer = await conn.post(body)
-                except (ConnectionError, OSError, asyncio.IncompleteReadError):
-                    result.transport_errors += 1
+                    status, answer = await asyncio.wait_for(conn.post(body), deadline_s)
+                except (ConnectionError, OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
+                    hung = isinstance(e, asyncio.TimeoutError)
+                    if hung:
+                        result.timeouts += 1
+                        await conn.close()
+                    else:
+                        result.transport_errors += 1
+                    if record:
+                        result.events.append((t0, time.perf_counter(), TIMEOUT if hung else TRANSPORT_ERROR))
                     await asyncio.sleep(0.05)
                     continue
+                if record:
+                    result.events.append((t0, time.perf_counter(), status))
                 result.latencies_ms.append((time.perf_counter() - t0) * 1000)
                 result.answered += 1
                 result.statuses[status] = result.statuses.get(status, 0) + 1

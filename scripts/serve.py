@@ -31,7 +31,11 @@ def start(args) -> int:
     if srv.running():
         print("[serve] stopping the server started before")
         srv.stop()
-    srv.start()
+    try:
+        srv.start()
+    except RuntimeError as e:
+        print(f"[serve] error: {e}", file=sys.stderr)
+        return 1
     print(f"[serve] TorchServe starting: {srv.url} (logs in {srv.log_dir}/)", flush=True)
     sample = Path(args.sample).read_bytes()
     shown = os.path.relpath(args.sample)

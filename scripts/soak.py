@@ -48,6 +48,27 @@ def good_requests(rng, n, features, rows, n_dense) -> list[bytes]:
     return out
 
 
+def expected_scores(config, weights: Path, bodies: list[bytes]) -> list[list[float]]:
+    """Each body scored alone in this process, through the handler's own core (parse -> collate
+    -> score) and the archive's weights: what a correct server must answer under any load."""
+    from dlrm_core import RequestParser, collate, scores
+    from dlrm_factory import DLRMFactory
+
+    model, parser = DLRMFactory(config).load(weights), RequestParser(config)
+    out = []
+    for body in bodies:
+        batch, errors = collate([parser.parse(body)], config)
+        if errors:
+            raise ValueError(f"not a good request: {errors[0]}")
+        out.append(scores(model, batch, config)[0])
+    return out
+
+
+def same_scores(got: list[float], expected: list[float]) -> bool:
+    """Equal to 1e-5: batching changes the order of float sums, never more."""
+    return len(got) == len(expected) and all(abs(a - b) <= 1e-5 for a, b in zip(got, expected))
+
+
 def bad_requests(features, rows, n_dense) -> list[tuple[bytes, int]]:
     ok = {"dense": [0.0] * n_dense, "sparse": {"keys": [features[0]], "values": [1], "lengths": [1]}}
 
@@ -139,7 +160,7 @@ def main() -> int:
                     return
                 if expected is not None:
                     got = json.loads(answer)["scores"]
-                    if len(got) != len(expected) or any(abs(a - b) > 1e-5 for a, b in zip(got, expected)):
+                    if not same_scores(got, expected):
                         wrong_scores += 1
                         if len(examples) < 5:
                             examples.append(f"scores {got[:3]} != solo {expected[:3]}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -54,7 +55,9 @@ class Server:
         props = Path(home) / "config.properties"
         if not props.is_file():
             raise FileNotFoundError(f"no server was started from {home} ({props} is missing)")
-        return cls(home=home, properties=props, model_store=Path(read_properties(props)["model_store"]))
+        logs = Path(home) / "log_dir"
+        return cls(home=home, properties=props, model_store=Path(read_properties(props)["model_store"]),
+                   log_dir=Path(logs.read_text()) if logs.is_file() else None)
 
     @classmethod
     def on_free_ports(cls, home: Path, **kw) -> "Server":
@@ -119,9 +122,15 @@ class Server:
     def start(self) -> "Server":
         """Start in the background; output goes to logs/ (never a pipe: the daemon keeps it open)."""
         (self.home / "tmp").mkdir(parents=True, exist_ok=True)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / "torchserve.out", "ab")
+        except OSError as e:  # TorchServe would start and log nothing: refuse instead
+            raise RuntimeError(f"cannot write TorchServe's logs in {self.log_dir}: {e.strerror}; "
+                               "free or remount it, or start with another log folder") from None
         props = self.write_properties()
-        with open(self.log_dir / "torchserve.out", "ab") as out:
+        (self.home / "log_dir").write_text(str(self.log_dir))  # for attach (rollout.py)
+        with out:
             subprocess.run(
                 [str(BIN / "torchserve"), "--start", "--ts-config", str(props),
                  "--model-store", str(self.model_store.resolve()), "--ncs"],
@@ -184,6 +193,26 @@ class Server:
     def worker_pids(self, model: str) -> list[int]:
         """The pids of the model's workers, from the management API."""
         return worker_pids(self.management_url, model, self.auth("management"))
+
+    def worker_error(self, model: str, version: str, since: int = 0) -> str | None:
+        """The last exception a worker of ``model`` ``version`` printed to model_log.log after
+        byte ``since`` (e.g. the handler's ConfigError naming dlrm.pt): TorchServe's own answer
+        to a failed registration only says "Failed to start workers"."""
+        try:
+            with open(self.log_dir / "model_log.log", "rb") as f:
+                f.seek(since)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return None
+        tag = re.escape(f"-{model}_{version}-stdout MODEL_LOG - ")
+        found = re.findall(rf"W-\d+{tag}([\w.]+(?:Error|Exception): .*)", text)
+        return found[-1].strip() if found else None
+
+    def log_size(self) -> int:
+        try:
+            return (self.log_dir / "model_log.log").stat().st_size
+        except OSError:
+            return 0
 
     def wait_workers_ready(self, model: str, count: int, timeout: float = 180.0) -> list[int]:
         """Poll the management API until ``count`` workers of ``model`` are READY (a model answers

@@ -1,0 +1,706 @@
+#!/usr/bin/env python
+"""Faults: break a private TorchServe under load in every way of README "Faults"; count answers.
+
+    python scripts/faults.py --json results/faults.json --table results/faults.md   # ~10 min
+    python scripts/faults.py --short                                                # ~2 min (tests)
+
+One TorchServe on free loopback ports serves an archive built from model-config.yaml with a
+short responseTimeout (--response-timeout), so a hung worker is noticed within the run. Closed-loop
+clients (scripts/loadgen.py) send single-row and 128-row requests; every 200 is checked against
+scores computed in this process from the archive's weights (soak.expected_scores). Scenarios, in
+order: baseline, worker killed (SIGKILL), worker hung (SIGSTOP), server restarted, rollout,
+overload, slow and broken clients, archive faults, logs on a full / read-only disk. Each row
+lists its checks; a failed check makes the exit status 1. Every loop is bounded by time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import zipfile
+from datetime import datetime
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loadgen import LoadResult, percentile, run_load  # noqa: E402
+from soak import expected_scores, instance, same_scores  # noqa: E402
+from tsctl import ROOT, Server  # noqa: E402
+
+sys.path.insert(0, str(ROOT))
+
+MODEL = "dlrm"
+ROWS = (1, 128)  # the issue's mix: single-row and 128-row requests
+
+
+def say(msg: str) -> None:
+    print(f"[faults] {msg}", flush=True)
+
+
+# --- the private server and what it serves ------------------------------------------------------
+
+
+class Bench:
+    """The server under test, the request pool, its expected scores and the run's checks."""
+
+    def __init__(self, args, tmp: Path):
+        from dlrm_config import DLRMConfig
+
+        import build_mar
+
+        self.args, self.tmp = args, tmp
+        doc = yaml.safe_load((ROOT / "model-config.yaml").read_text())
+        doc["responseTimeout"] = args.response_timeout
+        self.config_path = tmp / "model-config.yaml"
+        self.config_path.write_text(yaml.safe_dump(doc))
+        self.store = tmp / "store"
+        build_mar.main(["--config", str(self.config_path), "--output-dir", str(self.store)])
+        self.cfg = DLRMConfig.from_yaml(self.config_path)
+        with zipfile.ZipFile(self.store / f"{MODEL}.mar") as z:
+            z.extract("dlrm.pt", tmp)
+        rng = random.Random(args.seed)
+        features, rows, n_dense = list(self.cfg.sparse_features), list(self.cfg.num_embeddings), self.cfg.num_dense_features
+        self.pool = []
+        for k in range(args.pool):
+            insts = [instance(rng, features, rows, n_dense) for _ in range(ROWS[k % 2])]
+            self.pool.append(json.dumps(insts[0] if len(insts) == 1 else {"instances": insts}).encode())
+        say(f"scoring {len(self.pool)} requests in this process (the expected answers)")
+        self.expected = expected_scores(self.cfg, tmp / "dlrm.pt", self.pool)
+        self.rng = rng
+        # logs/ on a small tmpfs of its own, so the last scenario can fill it (mount needs root).
+        logs = tmp / "logs"
+        logs.mkdir()
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1g", "tmpfs", str(logs)],
+                                 capture_output=True, text=True)
+        self.logs_tmpfs = mounted.returncode == 0
+        self.mount_error = f"mount failed: {mounted.stderr.strip()}"
+        self.srv = Server.on_free_ports(tmp / "home", model_store=self.store, log_dir=logs)
+        self.wall_offset = time.time() - time.perf_counter()  # perf_counter -> wall clock (logs)
+
+    # --- load ---
+
+    def load(self, concurrency: int, duration: float, stop: asyncio.Event | None = None, rows=ROWS):
+        """A closed-loop load of pool requests; returns (LoadResult, wrong-score count)."""
+        wrong = [0]
+        picks = [k for k in range(len(self.pool)) if (1 if b"instances" not in self.pool[k] else 128) in rows]
+
+        def next_request(i):
+            k = self.rng.choice(picks)
+
+            def check(status, answer):
+                if status == 200 and not same_scores(json.loads(answer)["scores"], self.expected[k]):
+                    wrong[0] += 1
+
+            return self.pool[k], check
+
+        async def go():
+            res = await run_load(f"{self.srv.url}/predictions/{MODEL}", next_request, concurrency, duration,
+                                 10_000_000, deadline_s=self.args.deadline, record=True, stop=stop)
+            return res, wrong[0]
+
+        return go()
+
+    # --- processes ---
+
+    def frontend_pid(self) -> int:
+        return int((self.srv.home / "tmp" / ".model_server.pid").read_text().split()[0])
+
+    def worker_pid(self) -> int:
+        pids = self.srv.worker_pids(MODEL)
+        return pids[0]
+
+    def rss_mb(self) -> dict:
+        """Resident memory of the frontend (Java) and the worker(s), MB."""
+        out = {"frontend": _rss_mb(self.frontend_pid())}
+        try:
+            out["worker"] = round(sum(_rss_mb(p) for p in self.srv.worker_pids(MODEL)), 1)
+        except (RuntimeError, OSError):
+            out["worker"] = None
+        return out
+
+    def log_times(self, *needles: str) -> list[tuple[float, str]]:
+        """(wall time, needle) of TorchServe log lines holding one of ``needles`` (ts_log.log
+        has every line twice: once per appender)."""
+        out = []
+        for line in (self.srv.log_dir / "ts_log.log").read_text(errors="replace").splitlines():
+            hit = next((n for n in needles if n in line), None)
+            m = hit and re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d,\d{3}) ", line)
+            if m:
+                t = datetime.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S,%f").timestamp()
+                if not out or out[-1] != (t, hit):
+                    out.append((t, hit))
+        return out
+
+    def load_times(self) -> list[tuple[float, float]]:
+        """(start, seconds) of every worker start, from TorchServe's own log: the worker command
+        line is logged when the process is spawned, WORKER_MODEL_LOADED once initialize returned."""
+        out, start = [], None
+        for t, what in self.log_times("Worker cmdline", "-> WORKER_MODEL_LOADED"):
+            if what == "Worker cmdline":
+                start = t
+            elif start is not None:
+                out.append((start, t - start))
+                start = None
+        return out
+
+    def load_time_after(self, t_perf: float) -> float | None:
+        """The load time of the first worker started after ``t_perf`` (perf_counter)."""
+        wall = t_perf + self.wall_offset
+        later = [s for t, s in self.load_times() if t >= wall - 0.01]
+        return round(later[0], 2) if later else None
+
+    def noticed_after(self, t_perf: float) -> float | None:
+        """When TorchServe saw the worker go (its "Worker disconnected" line), perf_counter."""
+        wall = t_perf + self.wall_offset
+        later = [t for t, _ in self.log_times("Worker disconnected") if t >= wall - 0.01]
+        return later[0] - self.wall_offset if later else None
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return 0.0
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+# --- one row of the table -----------------------------------------------------------------------
+
+
+def row(name: str, res: LoadResult | None, wrong: int, **extra) -> dict:
+    st = res.statuses if res else {}
+    r = {
+        "scenario": name,
+        "requests": res.sent if res else 0,
+        "ok": st.get(200, 0),
+        "4xx": sum(v for k, v in st.items() if 400 <= k < 500),
+        "5xx": sum(v for k, v in st.items() if k >= 500),
+        "conn_errors": res.transport_errors if res else 0,
+        "unanswered": res.timeouts if res else 0,
+        "wrong_scores": wrong,
+        "recovery_s": None,
+        "rss_mb_before": None,
+        "rss_mb_after": None,
+        "checks": {},
+    }
+    if res and res.latencies_ms:
+        r["latency_ms_p50_p99"] = [round(res.percentile(50), 1), round(res.percentile(99), 1)]
+        r["requests_per_s"] = round(res.answered / res.wall_s, 1)
+        r["max_wait_s"] = round(max(res.latencies_ms) / 1000, 2)  # the longest any client waited
+    if res:
+        r["statuses"] = {str(k): v for k, v in sorted(st.items())}
+    r.update(extra)
+    return r
+
+
+def check(r: dict, name: str, ok: bool, seen) -> None:
+    r["checks"][name] = {"ok": bool(ok), "seen": seen}
+    say(f"  {'ok  ' if ok else 'FAIL'} {r['scenario']}: {name} (seen: {seen})")
+
+
+def common_checks(r: dict) -> None:
+    check(r, "no wrong score", r["wrong_scores"] == 0, r["wrong_scores"])
+    check(r, "no unanswered request", r["unanswered"] == 0, r["unanswered"])
+    check(r, "no 4xx for good requests", r["4xx"] == 0, r["4xx"])
+
+
+def failed(res: LoadResult) -> list[tuple[float, float, int]]:
+    return [e for e in res.events if e[2] != 200]
+
+
+def first_ok_sent_after(res: LoadResult, t: float) -> float | None:
+    """When the first request sent after ``t`` was answered 200: the model answers again."""
+    done = [d for s, d, status in res.events if s >= t and status == 200]
+    return min(done) if done else None
+
+
+# --- scenarios ----------------------------------------------------------------------------------
+
+
+async def under_load(b: Bench, fault, lead: float = 2.0, tail: float = 2.0, concurrency: int | None = None):
+    """The steady load from ``lead`` s before ``fault()`` until ``tail`` s after it returned (or
+    raised); returns (LoadResult, wrong scores, what ``fault()`` returned)."""
+    stop = asyncio.Event()
+
+    async def run():
+        await asyncio.sleep(lead)
+        try:
+            return await fault()
+        finally:
+            await asyncio.sleep(tail)
+            stop.set()
+
+    (res, wrong), out = await asyncio.gather(b.load(concurrency or b.args.concurrency, 3600, stop), run())
+    return res, wrong, out
+
+
+async def baseline(b: Bench) -> dict:
+    rss = b.rss_mb()
+    res, wrong = await b.load(b.args.concurrency, b.args.baseline)
+    r = row("baseline", res, wrong, rss_mb_before=rss, rss_mb_after=b.rss_mb(),
+            worker_load_s=b.load_times()[0][1])
+    common_checks(r)
+    check(r, "all 200", r["ok"] == r["requests"], r["statuses"])
+    b.normal_p50, b.normal_p99 = r["latency_ms_p50_p99"]
+    return r
+
+
+async def _signal_worker_during_load(b: Bench, name: str, sig: int, times: int, gap: float, hold: float = 0.0):
+    """Load at the issue's c=16 while ``sig`` hits the serving worker ``times`` times, ``gap`` s
+    apart (SIGSTOP: continued after ``hold`` s, unless TorchServe killed it first)."""
+    faults: list[tuple[float, int]] = []
+
+    async def inject():
+        for n in range(times):
+            pid = b.worker_pid()
+            t = time.perf_counter()
+            os.kill(pid, sig)
+            faults.append((t, pid))
+            say(f"  {name}: signal {signal.Signals(sig).name} to worker {pid} ({n + 1}/{times})")
+            if hold:
+                await asyncio.sleep(hold)
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass  # TorchServe killed it: the expected outcome
+            # Bounded wait until the replacement answers, then on to the next fault.
+            await wait_model_back(b, pid, b.args.deadline)
+            await asyncio.sleep(max(0.0, gap - (time.perf_counter() - t)))
+
+    rss = b.rss_mb()
+    res, wrong, _ = await under_load(b, inject)
+    r = row(name, res, wrong, rss_mb_before=rss, rss_mb_after=b.rss_mb())
+    common_checks(r)
+    recoveries, loads, in_hands, windows = [], [], [], []
+    for t, pid in faults:
+        back = first_ok_sent_after(res, t)
+        recoveries.append(round(back - t, 2) if back else None)
+        loads.append(b.load_time_after(t))
+        # The worker's hands: sent before TorchServe noticed the fault (a batch it handed on to
+        # the dead worker) and answered after the fault.
+        seen = b.noticed_after(t) or t
+        windows.append((t, seen + 0.05))  # the log has millisecond times
+        in_hands.append(sum(1 for s, d, status in failed(res) if s <= seen + 0.05 and d >= t))
+    t1 = faults[0][0]
+    r.update(recovery_s=max((x for x in recoveries if x is not None), default=None), recoveries_s=recoveries,
+             worker_load_s=loads, failed_per_fault=in_hands,
+             failed_sent_done_status=[(round(s - t1, 2), round(d - t1, 2), st) for s, d, st in failed(res)[:20]])
+    outside = [e for e in failed(res) if not any(e[0] <= seen and e[1] >= t for t, seen in windows)]
+    r["noticed_after_s"] = [round(seen - t, 2) for t, seen in windows]
+    check(r, "only requests in the worker's hands fail (sent before TorchServe noticed, answered after)",
+          not outside, f"{len(failed(res))} failed, {len(outside)} of them not held at a fault")
+    check(r, "at most one batch (<= concurrency) fails per fault", all(n <= b.args.concurrency for n in in_hands),
+          in_hands)
+    return r, faults, recoveries, loads
+
+
+async def wait_model_back(b: Bench, old_pid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            pids = await asyncio.to_thread(b.srv.worker_pids, MODEL)
+            if pids and old_pid not in pids:
+                ok, _, _ = await asyncio.to_thread(b.srv.ready, MODEL, b.pool[0], 5.0)
+                if ok:
+                    return
+        except (RuntimeError, OSError):
+            pass
+        await asyncio.sleep(0.2)
+
+
+async def worker_killed(b: Bench) -> dict:
+    r, faults, recoveries, loads = await _signal_worker_during_load(
+        b, "worker killed", signal.SIGKILL, b.args.kills, b.args.kill_gap)
+    check(r, "recovery <= the new worker's load time + 5 s",
+          all(x is not None and lt is not None and x <= lt + 5 for x, lt in zip(recoveries, loads)),
+          f"recovery {recoveries} s, load {loads} s")
+    return r
+
+
+async def worker_hung(b: Bench) -> dict:
+    timeout = b.args.response_timeout
+    r, faults, recoveries, loads = await _signal_worker_during_load(
+        b, "worker hung", signal.SIGSTOP, 1, 0, hold=timeout + 3)
+    t, pid = faults[0]
+    replaced = not Path(f"/proc/{pid}").exists() or pid not in b.srv.worker_pids(MODEL)
+    check(r, "the hung worker was replaced", replaced, f"pid {pid} gone: {replaced}")
+    check(r, f"recovery <= responseTimeout ({timeout} s) + load time + 5 s",
+          all(x is not None and lt is not None and x <= timeout + lt + 5 for x, lt in zip(recoveries, loads)),
+          f"recovery {recoveries} s, load {loads} s")
+    return r
+
+
+async def server_restarted(b: Bench) -> dict:
+    """``make stop`` then ``make serve`` (the same tsctl calls on the private server) under load."""
+    marks = {}
+
+    async def restart():
+        marks["stop"] = time.perf_counter()
+        say("  server restarted: stopping TorchServe")
+        await asyncio.to_thread(b.srv.stop)
+        marks["stopped"] = time.perf_counter()
+        say("  server restarted: starting TorchServe")
+        await asyncio.to_thread(b.srv.start)
+        await asyncio.to_thread(b.srv.wait_ready, MODEL, b.pool[0], 180)
+        marks["ready"] = time.perf_counter()
+
+    rss = b.rss_mb()
+    res, wrong, _ = await under_load(b, restart)
+    back = first_ok_sent_after(res, marks["stopped"])
+    r = row("server restarted", res, wrong, rss_mb_before=rss, rss_mb_after=b.rss_mb(),
+            recovery_s=round(back - marks["stop"], 2) if back else None,
+            stop_s=round(marks["stopped"] - marks["stop"], 2), worker_load_s=b.load_time_after(marks["stopped"]))
+    common_checks(r)
+    outside = [e for e in failed(res) if not (marks["stop"] <= e[1] and e[0] <= marks["ready"])]
+    check(r, "requests fail only while the server is down", not outside,
+          f"{len(failed(res))} failed ({r['conn_errors']} connection errors, {r['5xx']} 5xx), "
+          f"{len(outside)} outside the stop..ready window")
+    check(r, "the model answers again", back is not None, r["recovery_s"])
+    return r
+
+
+async def rollout_under_load(b: Bench) -> dict:
+    """scripts/rollout.py builds version N+1 from the same config and swaps it in under load."""
+    import rollout
+
+    def roll():
+        return asyncio.to_thread(
+            rollout.main, ["--home", str(b.srv.home), "--config", str(b.config_path), "--timeout", "180"])
+
+    rss = b.rss_mb()
+    res, wrong, rc = await under_load(b, roll, lead=1.0, tail=1.0)
+    r = row("rollout", res, wrong, rss_mb_before=rss, rss_mb_after=b.rss_mb())
+    common_checks(r)
+    check(r, "rollout.py succeeded", rc == 0, rc)
+    check(r, "no request failed", not failed(res), len(failed(res)))
+    return r
+
+
+async def overload(b: Bench) -> dict:
+    """c=256 (16x the steady clients) for --overload s, then the steady load again: how fast
+    latency returns to the baseline's."""
+    rss = b.rss_mb()
+    say(f"  overload: c={b.args.overload_concurrency} for {b.args.overload:.0f} s")
+    res, wrong = await b.load(b.args.overload_concurrency, b.args.overload)
+    rss_peak = b.rss_mb()
+    t_drop = time.perf_counter()
+    after, wrong_after = await b.load(b.args.concurrency, b.args.after)
+    r = row("overload", res, wrong + wrong_after, rss_mb_before=rss, rss_mb_after=b.rss_mb(), rss_mb_peak=rss_peak)
+    common_checks(r)
+    ok_ms = [(d - s) * 1000 for s, d, st in res.events if st == 200]
+    busy_ms = [(d - s) * 1000 for s, d, st in res.events if st == 503]
+    r["latency_ms_p50_p99_200"] = [round(percentile(ok_ms, 50), 1), round(percentile(ok_ms, 99), 1)]
+    r["latency_ms_p50_p99_503"] = [round(percentile(busy_ms, 50), 1), round(percentile(busy_ms, 99), 1)]
+    # Recovered: the first 0.5 s window after the drop whose median latency is within 1.5x
+    # (+5 ms) of the baseline's median.
+    bound = 1.5 * b.normal_p50 + 5
+    recovered = None
+    for w in range(int(b.args.after / 0.5)):
+        lo, hi = t_drop + 0.5 * w, t_drop + 0.5 * (w + 1)
+        lat = [(d - s) * 1000 for s, d, st in after.events if lo <= s < hi and st == 200]
+        if lat and percentile(lat, 50) <= bound:
+            recovered = round(hi - t_drop, 2)
+            break
+    r["recovery_s"] = recovered
+    r["after"] = row("after", after, wrong_after)
+    others = {k: v for k, v in res.statuses.items() if k not in (200, 503)}
+    check(r, "only 200 or 503 (queue full)", not others and after.statuses.keys() <= {200}, res.statuses)
+    check(r, "503s are quick (p99 < 1 s)", not busy_ms or percentile(busy_ms, 99) < 1000,
+          r["latency_ms_p50_p99_503"])
+    check(r, f"200s bounded by the queue (p99 < responseTimeout {b.args.response_timeout} s)",
+          percentile(ok_ms, 99) < b.args.response_timeout * 1000, r["latency_ms_p50_p99_200"])
+    grow = {k: round(r["rss_mb_after"][k] - rss[k], 1) for k in rss if rss[k] is not None and r["rss_mb_after"].get(k)}
+    check(r, "memory bounded (each process grew < 300 MB)", all(v < 300 for v in grow.values()), grow)
+    check(r, "latency back to baseline within 5 s of the drop", recovered is not None and recovered <= 5,
+          f"{recovered} s (bound: p50 <= {bound:.1f} ms)")
+    return r
+
+
+async def slow_clients(b: Bench) -> dict:
+    """200 connections that send half a request and stall, plus clients that hang up before or
+    during the response, beside a normal client at c=8. The machine may be shared, so windows
+    alternate: alone, beside the faults, alone ... (3 faulty windows; 1 with --short), and the
+    normal client's throughput beside the faults is compared with its throughput alone."""
+    host, port = urllib.parse.urlsplit(b.srv.url).hostname, urllib.parse.urlsplit(b.srv.url).port
+    body = b.pool[1]  # 128 rows: a response long enough to hang up in the middle of
+    head = (f"POST /predictions/{MODEL} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    fe = b.frontend_pid()
+    await asyncio.sleep(1.0)
+    fds0, rss0 = _fds(fe), b.rss_mb()
+    hangups, fds_stalled, fds_after = [0], [], []
+
+    async def hang_up(stop: asyncio.Event):
+        while not stop.is_set():
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(head + body)
+            await writer.drain()
+            if hangups[0] % 2:
+                await reader.read(64)  # the status line and some headers, then hang up mid-response
+            writer.transport.abort()  # RST, as a crashed client would
+            hangups[0] += 1
+            await asyncio.sleep(0.1)
+
+    async def beside_faults():
+        stalled = []
+        for _ in range(b.args.stalled):
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(head + body[: len(body) // 2])
+            await writer.drain()
+            stalled.append(writer)
+        fds_stalled.append(_fds(fe))
+        stop = asyncio.Event()
+
+        async def timed():
+            try:
+                return await b.load(b.args.slow_concurrency, b.args.slow)
+            finally:
+                stop.set()
+
+        out, _ = await asyncio.gather(timed(), hang_up(stop))
+        for writer in stalled:
+            writer.transport.abort()
+        deadline = time.monotonic() + 20  # bounded wait for the frontend to close what was dropped
+        while _fds(fe) > fds0 + 5 and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        fds_after.append(_fds(fe))
+        return out
+
+    alone, beside = [await b.load(b.args.slow_concurrency, b.args.slow)], []
+    for _ in range(b.args.slow_rounds):
+        beside.append(await beside_faults())
+        alone.append(await b.load(b.args.slow_concurrency, b.args.slow))
+    rss1 = b.rss_mb()
+
+    def tput(runs):
+        return round(sum(x.answered for x, _ in runs) / sum(x.wall_s for x, _ in runs), 1)
+
+    ratio = round(tput(beside) / tput(alone), 3)
+    during = LoadResult()  # the windows beside the faults, summed for the table
+    for x, _ in beside:
+        during.sent += x.sent
+        during.answered += x.answered
+        during.transport_errors += x.transport_errors
+        during.timeouts += x.timeouts
+        during.latencies_ms += x.latencies_ms
+        during.wall_s += x.wall_s
+        for k, v in x.statuses.items():
+            during.statuses[k] = during.statuses.get(k, 0) + v
+    r = row("slow clients", during, sum(w for _, w in alone + beside), rss_mb_before=rss0, rss_mb_after=rss1,
+            throughput_alone_beside=[tput(alone), tput(beside)], throughput_ratio=ratio, hangups=hangups[0],
+            frontend_fds_before_stalled_after=[fds0, max(fds_stalled), max(fds_after)])
+    common_checks(r)
+    check(r, "normal client loses < 20% throughput (beside the faults vs alone)", ratio > 0.8,
+          r["throughput_alone_beside"])
+    check(r, "all the normal client's requests answered 200",
+          all(x.statuses.keys() <= {200} and not x.transport_errors for x, _ in alone + beside),
+          [x.statuses for x, _ in alone + beside])
+    check(r, "frontend file descriptors back to baseline (+5)", max(fds_after) <= fds0 + 5,
+          r["frontend_fds_before_stalled_after"])
+    grow = round(rss1["frontend"] - rss0["frontend"], 1)
+    check(r, "frontend memory back near baseline (< 100 MB more)", grow < 100, f"{grow} MB")
+    return r
+
+
+def broken_archives(b: Bench) -> dict[str, str]:
+    """A copy cut in half, and a version 9.0 whose dlrm.pt is not a checkpoint; both beside
+    the good one in the model store."""
+    good = b.store / f"{MODEL}.mar"
+    data = good.read_bytes()
+    (b.store / "dlrm-truncated.mar").write_bytes(data[: len(data) // 2])
+    with zipfile.ZipFile(good) as z:
+        files = {n: z.read(n) for n in z.namelist()}
+    manifest = json.loads(files["MAR-INF/MANIFEST.json"])
+    manifest["model"]["modelVersion"] = "9.0"
+    files["MAR-INF/MANIFEST.json"] = json.dumps(manifest).encode()
+    files["dlrm.pt"] = b"\x00 corrupt weights " * 64
+    with zipfile.ZipFile(b.store / "dlrm-corrupt.mar", "w") as z:
+        for name, blob in files.items():
+            z.writestr(name, blob)
+    return {"truncated": "dlrm-truncated.mar", "corrupt dlrm.pt": "dlrm-corrupt.mar"}
+
+
+async def archive_faults(b: Bench) -> dict:
+    """Register broken archives with the kit's registration path (scripts/rollout.py --archive,
+    which calls the management API) while the good model serves."""
+    import rollout
+
+    answers = {}
+
+    async def register():
+        for why, archive in broken_archives(b).items():
+            err = io.StringIO()
+            t = time.perf_counter()
+            with contextlib.redirect_stderr(err):
+                rc = await asyncio.to_thread(
+                    rollout.main, ["--home", str(b.srv.home), "--archive", archive, "--timeout", "120"])
+            answers[why] = {"archive": archive, "rc": rc, "seconds": round(time.perf_counter() - t, 1),
+                            "message": err.getvalue().strip()[:400]}
+            say(f"  archive faults: {why}: exit {rc} in {answers[why]['seconds']} s: {answers[why]['message']}")
+
+    res, wrong, _ = await under_load(b, register, lead=0.5, tail=1.0, concurrency=4)
+    r = row("archive faults", res, wrong, registrations=answers)
+    common_checks(r)
+    check(r, "the serving model kept answering 200", not failed(res), res.statuses)
+    for why, a in answers.items():
+        check(r, f"{why}: refused at registration", a["rc"] == 1, f"exit {a['rc']}")
+        culprit = a["archive"] if why == "truncated" else "dlrm.pt"
+        check(r, f"{why}: the message names {culprit}", culprit in a["message"], a["message"][:200])
+    return r
+
+
+async def logs_disk(b: Bench) -> list[dict]:
+    """The server's logs/ has been on a 1 GB tmpfs since the start: fill it, score under load;
+    then a start with logs/ on a read-only tmpfs. Needs mount (root): skipped where it fails."""
+    if not b.logs_tmpfs:
+        return [row("logs disk full", None, 0, skipped=b.mount_error)]
+    logs_mb = round(sum(f.stat().st_size for f in b.srv.log_dir.iterdir()) / 2**20, 1)
+    try:
+        with open(b.srv.log_dir / "filler", "wb") as f:  # every free block; the logs keep their handles
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+    except OSError as e:
+        say(f"  logs: tmpfs full ({e.strerror}); the logs took {logs_mb} MB")
+    rss = b.rss_mb()
+    res, wrong = await b.load(b.args.concurrency, b.args.logs)
+    r = row("logs disk full", res, wrong, rss_mb_before=rss, rss_mb_after=b.rss_mb(),
+            how="logs/ on a 1 GB tmpfs, filled to ENOSPC while serving", logs_mb_written_before=logs_mb)
+    common_checks(r)
+    check(r, "scoring goes on", not failed(res) and res.answered > 0, res.statuses)
+    (b.srv.log_dir / "filler").unlink(missing_ok=True)
+
+    # Read-only: a read-only mount, since root writes through mode bits. The start must refuse.
+    ro = b.tmp / "logs-ro"
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], check=True)
+    srv = Server.on_free_ports(b.tmp / "home-ro", model_store=b.store, log_dir=ro)
+    try:
+        srv.start()
+        message, started = "started", True
+    except RuntimeError as e:
+        message, started = str(e), False
+    finally:
+        if srv.running():
+            srv.stop()
+        subprocess.run(["umount", "-l", str(ro)], check=False)
+    r2 = row("logs read-only", None, 0, how="logs/ on a read-only tmpfs at start", start=message)
+    check(r2, "the start fails at once with a message naming the folder", not started and str(ro) in message,
+          message)
+    return [r, r2]
+
+
+# --- the table ----------------------------------------------------------------------------------
+
+
+COLUMNS = ["scenario", "requests", "200", "4xx", "5xx", "conn err", "unanswered", "wrong scores", "recovery s",
+           "max wait s", "RSS MB before (fe/worker)", "RSS MB after (fe/worker)", "checks"]
+
+
+def table(rows: list[dict]) -> str:
+    def rss(x):
+        return f"{x['frontend']:.0f} / {x['worker'] or 0:.0f}" if x else ""
+
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        n_ok = sum(c["ok"] for c in r["checks"].values())
+        cells = [r["scenario"], r["requests"], r["ok"], r["4xx"], r["5xx"], r["conn_errors"], r["unanswered"],
+                 r["wrong_scores"], "" if r["recovery_s"] is None else r["recovery_s"], r.get("max_wait_s", ""),
+                 rss(r["rss_mb_before"]), rss(r["rss_mb_after"]),
+                 r.get("skipped") or f"{n_ok}/{len(r['checks'])}"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+SCENARIOS = {
+    "killed": worker_killed,
+    "hung": worker_hung,
+    "restart": server_restarted,
+    "rollout": rollout_under_load,
+    "overload": overload,
+    "slow": slow_clients,
+    "archive": archive_faults,
+    "logs": logs_disk,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--short", action="store_true", help="the integration test's version: fewer, shorter faults (~2 min)")
+    ap.add_argument("--only", nargs="+", choices=list(SCENARIOS), help="run these scenarios (after the baseline)")
+    ap.add_argument("--json", help="write the rows here (e.g. results/faults.json)")
+    ap.add_argument("--table", help="write the Markdown table here (e.g. results/faults.md)")
+    ap.add_argument("--concurrency", type=int, default=16, help="steady clients (default: %(default)s)")
+    ap.add_argument("--deadline", type=float, default=60,
+                    help="seconds a request may wait for its answer before it counts as unanswered (default: %(default)s)")
+    ap.add_argument("--response-timeout", type=int,
+                    help="the archive's responseTimeout, s: a hung worker is killed after it (default: 8, --short: 5)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--keep", action="store_true", help="keep the server's folder (logs) for a look afterwards")
+    ap.add_argument("--pool", type=int, default=200, help="distinct requests, half 1-row, half 128-row")
+    args = ap.parse_args(argv)
+    # Durations (s) and counts: full run (the issue's figures) / --short.
+    full = dict(baseline=20, kills=3, kill_gap=20, overload=30, overload_concurrency=256, after=8,
+                slow=5, slow_rounds=3, slow_concurrency=8, stalled=200, logs=10)
+    short = dict(baseline=5, kills=1, kill_gap=0, overload=6, overload_concurrency=256, after=5,
+                 slow=3, slow_rounds=1, slow_concurrency=8, stalled=200, logs=3)
+    for k, v in (short if args.short else full).items():
+        setattr(args, k, v)
+    args.response_timeout = args.response_timeout or (5 if args.short else 8)
+
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="dlrm-faults-") as tmp:
+        if args.keep:
+            tmp = tempfile.mkdtemp(prefix="dlrm-faults-kept-")
+        b = Bench(args, Path(tmp))
+        say(f"starting TorchServe (logs in {b.srv.log_dir})")
+        b.srv.start()
+        rows = []
+        try:
+            b.srv.wait_ready(MODEL, b.pool[0], timeout=180)
+
+            async def run_all():
+                say(f"baseline: c={args.concurrency} for {args.baseline} s")
+                rows.append(await baseline(b))
+                # --short leaves out the rollout: tests/test_ops_server.py rolls out under load.
+                for name in args.only or [n for n in SCENARIOS if not (args.short and n == "rollout")]:
+                    say(f"scenario {name} ({time.monotonic() - t0:.0f} s in)")
+                    out = await SCENARIOS[name](b)
+                    rows.extend(out if isinstance(out, list) else [out])
+
+            asyncio.run(run_all())
+        finally:
+            b.srv.stop()
+            if b.logs_tmpfs:
+                subprocess.run(["umount", "-l", str(b.srv.log_dir)], check=False)
+    text = table(rows)
+    print(text)
+    report = {"short": args.short, "seconds": round(time.monotonic() - t0, 1), "concurrency": args.concurrency,
+              "response_timeout_s": args.response_timeout, "deadline_s": args.deadline, "rows": rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    if args.table:
+        Path(args.table).write_text(text)
+    bad = [f"{r['scenario']}: {n}" for r in rows for n, c in r["checks"].items() if not c["ok"]]
+    say(f"{'PASS' if not bad else 'FAIL'} in {report['seconds']:.0f} s" + "".join(f"\n  failed: {x}" for x in bad))
+    return 0 if not bad else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
