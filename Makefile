@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 CONFIG  ?= model-config.yaml
 PROPS   ?= config.properties
 MAR     := model_store/dlrm.mar
-SOURCES := dlrm_handler.py dlrm_factory.py dlrm_core.py dlrm_config.py dlrm_errors.py dlrm_scale.py scripts/build_mar.py
+SOURCES := dlrm_handler.py dlrm_factory.py dlrm_core.py dlrm_config.py dlrm_errors.py dlrm_scale.py dlrm_kserve.py scripts/build_mar.py
 
 .PHONY: venv mar serve ready rollout rollback stop test unit integration bench soak clean FORCE
 

@@ -92,8 +92,11 @@ class FakeContext:
         self.content_types = {}
         self.headers = {}  # idx -> {name: value}
         self.response_headers = {}  # idx -> {name: value}
+        self.kserve = set()  # idx of requests sent on /v1 or /v2 (TorchServe gives them no url_path)
 
     def get_request_header(self, idx, key):
+        if key == "url_path" and idx not in self.kserve:  # as TorchServe does for /predictions/<m>
+            return self.headers.get(idx, {}).get(key, "")
         return self.headers.get(idx, {}).get(key)
 
     def set_response_header(self, idx, key, value):
