@@ -4,7 +4,9 @@ Thin wiring over the TorchServe-free core (``dlrm_core``): parse each request, c
 whole TorchServe batch into one dense tensor and one KeyedJaggedTensor, run one forward pass
 (several for a batch of more than MAX_ROWS_PER_FORWARD rows), and answer every request on its own: a bad request gets its own 4xx and JSON error body while
 the good requests of the same batch get their scores. TorchServe imports this file and wants
-exactly one class in it.
+exactly one class in it. Each request is read and answered in its own protocol (dlrm_kserve:
+/predictions and gRPC as in the README, KServe v1, Open Inference Protocol v2 JSON or binary),
+and requests of every protocol share the batch's forward pass.
 """
 
 from __future__ import annotations
@@ -38,12 +40,12 @@ MAX_ROWS_PER_FORWARD = 4096
 CLIENT_ID_SPELLINGS = ("X-Request-Id", "x-request-id", "X-Request-ID", "X-REQUEST-ID")
 CLIENT_ID_ECHO = "X-Client-Request-Id"
 _CLIENT_ID = re.compile(r"[!-~]{1,128}")  # visible ASCII: safe to log and to send back
-# How a request's protocol is chosen. TorchServe 0.12 gives a REST request its HTTP headers and
+# How a request's protocol is chosen. TorchServe 0.12 gives a REST request its HTTP header fields and
 # a /predictions/<model>[/<version>] request also the header ``url_path`` (what follows the model
 # in the path, usually ""); /v1/models/<m>:predict and /v2/models/<m>/infer get no url_path and
-# otherwise reach the handler alike. gRPC Predictions passes no HTTP headers (no Host). So: a
+# otherwise reach the handler alike. gRPC Predictions passes no HTTP header fields (no Host). So: a
 # request with a Host header and no url_path came on a KServe route; all others are answered
-# in the /predictions formats (so are in-process callers that set no headers).
+# in the /predictions formats (so are in-process callers that set no header).
 URL_PATH = ("url_path",)
 HOST = ("Host", "host", "HOST")
 BINARY_SPELLINGS = (BINARY_HEADER, BINARY_HEADER.lower())
@@ -176,7 +178,7 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
                             f" client {client_id}" if client_id else "", err.status, err.message)
                 reply = self.requests[i].error(err)
             ctx.set_response_content_type(i, reply.content_type)
-            for name, value in reply.headers.items():
+            for name, value in reply.header_fields.items():
                 ctx.set_response_header(i, name, value)
             out.append(reply.body)
         return out

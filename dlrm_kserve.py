@@ -46,11 +46,11 @@ _FLOATS, _INTS = ("FP32", "FP64"), ("INT64", "INT32")
 
 @dataclass
 class Reply:
-    """One request's answer: body, Content-Type, extra response headers."""
+    """One request's answer: body, Content-Type, extra response header fields."""
 
     body: bytes
     content_type: str = JSON
-    headers: dict = field(default_factory=dict)
+    header_fields: dict = field(default_factory=dict)
 
 
 class Predictions:

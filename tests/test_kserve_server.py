@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import ROOT, tiny_config
+from conftest import tiny_config
 from helpers import instance
 from tsctl import BIN, Server, post
 
