@@ -147,3 +147,15 @@ def test_v1_needs_instances_and_answers_errors_in_kserve_shape(handler):
     assert json.loads(out[1])["error"].startswith("body: ")
     assert ctx.statuses == {0: (400, "Bad Request"), 1: (400, "Bad Request")}
     assert set(json.loads(out[2])) == {"score", "scores"}  # /predictions answers as before
+
+
+def test_grpc_and_in_process_requests_keep_the_predictions_formats(handler):
+    """No Host header (gRPC Predictions, in-process callers): /predictions answers, even for
+    an instances body and without url_path."""
+    ctx = FakeContext(Path("."), dict(TINY))
+    ctx.kserve.update({0, 1})
+    ctx.headers = {0: {"Host": None}, 1: {}}  # 0: like gRPC; 1: a REST request on /v1
+    out = handler.handle([{"data": json.dumps({"instances": ROWS}).encode()},
+                          {"body": json.dumps({"instances": ROWS}).encode()}], ctx)
+    assert set(json.loads(out[0])) == {"scores"}
+    assert json.loads(out[1]) == {"predictions": json.loads(out[0])["scores"]}

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import subprocess
 import sys
 import threading
-import time
 import zipfile
 from pathlib import Path
 
@@ -21,7 +19,7 @@ import pytest
 import yaml
 
 from conftest import tiny_config
-from helpers import instance
+from helpers import instance, metrics_delta, settled
 from tsctl import BIN, Server, post
 
 pytestmark = pytest.mark.integration
@@ -113,11 +111,6 @@ def grpc_stub(tmp_path_factory, server):
     channel.close()
 
 
-def batches_so_far(srv) -> int:
-    log = (srv.log_dir / "model_log.log").read_text(errors="replace")
-    return len(re.findall(r"Backend received inference at", log))
-
-
 def rest(srv, path: str, body: bytes, headers=None):
     status, raw, hdrs = post(srv.url + path, body, (headers or {}).pop("Content-Type", "application/json"), headers)
     return status, raw, {k.lower(): v for k, v in hdrs.items()}
@@ -178,18 +171,17 @@ def test_every_protocol_shares_one_batch_and_gets_the_reference_scores(server, g
         except Exception as e:  # reported below with the protocol's name
             errors[name] = e
 
-    before = batches_so_far(server)
+    before = settled(server)
     threads = [threading.Thread(target=run, args=(n,)) for n in calls]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
     assert not errors, errors
-    deadline = time.monotonic() + 10  # the worker's log line may trail the answers
-    while batches_so_far(server) == before and time.monotonic() < deadline:
-        time.sleep(0.2)
-    used = batches_so_far(server) - before
-    assert 1 <= used < len(calls), f"{len(calls)} requests took {used} batches: none shared one"
+    # The handler's own counters, once all the requests are counted (the frontend reads them late).
+    delta = metrics_delta(server, {"dlrm_requests_total": len(calls)}, before)
+    assert delta["dlrm_requests_total"] == len(calls), delta
+    assert 1 <= delta["dlrm_batches_total"] < len(calls), f"no two of {len(calls)} requests shared a batch: {delta}"
 
     status, raw, hdrs = results["predictions"]
     assert status == 200 and np.allclose(json.loads(raw)["scores"], reference, atol=1e-5, rtol=0)
