@@ -25,7 +25,9 @@ answer is binary when the request asks for it (``binary_data_output`` or an outp
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,7 +166,24 @@ class OIPv2(KServeV1):
         except msgspec.ValidationError as e:
             raise BadRequest(_v2_message(str(e))) from None
         except msgspec.MsgspecError as e:
+            name = _non_finite_input(bytes(raw[:n]))
+            if name:
+                raise BadRequest(f"{name}: data: NaN and Infinity are not numbers in JSON; send finite "
+                                 "numbers") from None
             raise BadRequest(f"body: expected an inference request in JSON, got malformed JSON ({e})") from None
+
+
+# What clients' encoders write for non-finite floats (Python's json: NaN, Infinity, -Infinity).
+_NON_FINITE = re.compile(rb'(?<![\w"])-?(?:NaN|nan|Infinity|inf)(?![\w"])')
+
+
+def _non_finite_input(header: bytes) -> str | None:
+    """The input whose data holds a NaN/Infinity literal that made the JSON malformed, if any."""
+    try:
+        req = _INFER.decode(_NON_FINITE.sub(b"null", header))
+    except msgspec.MsgspecError:
+        return None
+    return next((t.name for t in req.inputs if b"null" in bytes(t.data)), None)
 
 
 def _flag(params: dict | None, name: str) -> bool:
@@ -280,9 +299,9 @@ def _tensor(t: _Tensor, tail: memoryview, offset: int) -> tuple[np.ndarray, int]
     if flat.size != count:
         raise BadRequest(f"{t.name}: data: expected {count} numbers for shape {t.shape}, got {flat.size}")
     want = int if t.datatype in _INTS else (int, float)
-    bad = next((v for v in flat if not isinstance(v, want) or isinstance(v, bool)), None)
-    if bad is not None:
-        raise BadRequest(f"{t.name}: data: expected {t.datatype} numbers, got {bad!r}")
+    bad = [v for v in flat if not isinstance(v, want) or isinstance(v, bool)][:1]
+    if bad:
+        raise BadRequest(f"{t.name}: data: expected {t.datatype} numbers, got {json.dumps(bad[0])[:64]}")
     try:
         return np.array(flat.tolist(), dtype=dtype).reshape(t.shape), offset
     except OverflowError:

@@ -97,7 +97,7 @@ def test_single_id_form_is_one_id_per_row(handler):
     (v2_inputs(dense={"datatype": "INT64", "data": [[1] * 5] * 2}), "dense: expected FP32 shape [B, 5], got INT64 [2, 5]"),
     (v2_inputs(dense={"data": [[0.5, 1.0]]}), "dense: data: expected 10 numbers for shape [2, 5], got 2"),
     (v2_inputs(feature_0__values={"data": [3, 4, 5.5]}), "feature_0.values: data: expected INT64 numbers, got 5.5"),
-    (v2_inputs(feature_0__values={"data": [3, 4, True]}), "feature_0.values: data: expected INT64 numbers, got True"),
+    (v2_inputs(feature_0__values={"data": [3, 4, True]}), "feature_0.values: data: expected INT64 numbers, got true"),
     (v2_inputs(feature_0__values={"data": [3, 4]}), "feature_0.values: data: expected 3 numbers for shape [3], got 2"),
     (v2_inputs(feature_0__lengths={"data": [2, 2]}), "feature_0.values: expected sum(feature_0.lengths) = 4 ids, got shape [3]"),
     (v2_inputs(feature_0__lengths={"data": [3, -1]}), "feature_0.lengths[1]: expected a non-negative integer, got -1"),
@@ -116,6 +116,17 @@ def test_malformed_v2_gets_400_naming_the_input(handler, inputs, message):
     assert ctx.statuses == {0: (400, "Bad Request")}
     assert set(json.loads(out[0])) == {"error"} and json.loads(out[0])["error"].startswith(message), out[0]
     assert "outputs" in json.loads(out[1])
+
+
+def test_nan_literal_in_v2_json_names_the_input(handler):
+    body = json.dumps({"inputs": v2_inputs([[0.5, float("nan"), 0, 0, 0], DENSE[1]])}).encode()  # Python writes NaN
+    out, ctx = run(handler, [("kserve", body, {})])
+    assert json.loads(out[0]) == {"error": "dense: data: NaN and Infinity are not numbers in JSON; send finite numbers"}
+    body = json.dumps({"inputs": v2_inputs([[0.5, None, 0, 0, 0], DENSE[1]])}).encode()  # orjson writes null
+    out, ctx = run(handler, [("kserve", body, {})])
+    assert json.loads(out[0]) == {"error": "dense: data: expected FP32 numbers, got null"}
+    out, ctx = run(handler, [("kserve", json.dumps({"inputs": v2_inputs(feature_0__values={"data": [3, None, 5]})}).encode(), {})])
+    assert json.loads(out[0]) == {"error": "feature_0.values: data: expected INT64 numbers, got null"}
 
 
 @pytest.mark.parametrize("mutate, message", [

@@ -57,7 +57,9 @@ def reference():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """The layout and the runtime's command line; TS_* variables move the ports to loopback."""
+    """The layout and the runtime's command line (deploy/kserve's ServingRuntime adds
+    --foreground to keep the container's process; here TorchServe daemonizes as with the stock
+    runtime); TS_* variables move the ports to loopback, as enable_envvars_config allows."""
     import kserve_deploy
     from conftest import TINY
 
