@@ -22,6 +22,10 @@ class RequestError(Exception):
         """The JSON error body, shaped like TorchServe's own error bodies."""
         return {"code": self.status, "type": type(self).__name__, "message": self.message}
 
+    def oip_body(self) -> dict:
+        """The error body of KServe's v1 and v2 (Open Inference Protocol) REST APIs."""
+        return {"error": self.message}
+
 
 class BadRequest(RequestError):
     """400: the body is not a well-formed DLRM request (bad JSON, wrong type, wrong count, bad id)."""

@@ -4,7 +4,9 @@ Thin wiring over the TorchServe-free core (``dlrm_core``): parse each request, c
 whole TorchServe batch into one dense tensor and one KeyedJaggedTensor, run one forward pass
 (several for a batch of more than MAX_ROWS_PER_FORWARD rows), and answer every request on its own: a bad request gets its own 4xx and JSON error body while
 the good requests of the same batch get their scores. TorchServe imports this file and wants
-exactly one class in it.
+exactly one class in it. Each request is read and answered in its own protocol (dlrm_kserve:
+/predictions and gRPC as in the README, KServe v1, Open Inference Protocol v2 JSON or binary),
+and requests of every protocol share the batch's forward pass.
 """
 
 from __future__ import annotations
@@ -22,14 +24,14 @@ from ts.torch_handler.base_handler import BaseHandler
 from ts.utils.util import PredictionException
 
 from dlrm_config import DLRMConfig
-from dlrm_core import RequestParser, collate, error_body, response_body, scores
+from dlrm_core import RequestParser, collate, scores
 from dlrm_errors import BadRequest, ConfigError, RequestError
 from dlrm_factory import DLRMFactory
+from dlrm_kserve import BINARY_HEADER, open_request
 from dlrm_scale import worker_devices
 
 logger = logging.getLogger(__name__)
 
-JSON = "application/json"
 # Rows per forward pass at most; TorchServe's batch is split into groups of whole requests.
 MAX_ROWS_PER_FORWARD = 4096
 # TorchServe 0.12 answers every request with its own id in x-request-id, replacing any value the
@@ -38,6 +40,15 @@ MAX_ROWS_PER_FORWARD = 4096
 CLIENT_ID_SPELLINGS = ("X-Request-Id", "x-request-id", "X-Request-ID", "X-REQUEST-ID")
 CLIENT_ID_ECHO = "X-Client-Request-Id"
 _CLIENT_ID = re.compile(r"[!-~]{1,128}")  # visible ASCII: safe to log and to send back
+# How a request's protocol is chosen. TorchServe 0.12 gives a REST request its HTTP header fields and
+# a /predictions/<model>[/<version>] request also the header ``url_path`` (what follows the model
+# in the path, usually ""); /v1/models/<m>:predict and /v2/models/<m>/infer get no url_path and
+# otherwise reach the handler alike. gRPC Predictions passes no HTTP header fields (no Host). So: a
+# request with a Host header and no url_path came on a KServe route; all others are answered
+# in the /predictions formats (so are in-process callers that set no header).
+URL_PATH = ("url_path",)
+HOST = ("Host", "host", "HOST")
+BINARY_SPELLINGS = (BINARY_HEADER, BINARY_HEADER.lower())
 
 
 class TorchRecDLRMHandler(BaseHandler, ABC):
@@ -64,6 +75,8 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         started = time.perf_counter()
         self.model = DLRMFactory(self.config).load(os.path.join(model_dir, serialized), devices)
         self.parser = RequestParser(self.config)
+        model = (self.manifest or {}).get("model", {})
+        self.model_id = (model.get("modelName", "dlrm"), str(model.get("modelVersion", "1.0")))
         self.initialized = True
         logger.info(
             "DLRM loaded on %s in %.1f s: %d dense, %d sparse features, %d embedding rows (%s), output %s, "
@@ -93,9 +106,21 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         is a group of its own), so a batch of large ranking requests never becomes one forward
         pass of hundreds of thousands of rows."""
         errors, groups, group, rows = {}, [], [], 0
+        self.requests = []  # per request: its protocol, which parses it and shapes its answer
         for i, row in enumerate(data):
+            kserve_route = _header(self.context, i, URL_PATH) is None and _header(self.context, i, HOST) is not None
             try:
-                parsed = self.parser.parse(_body(row, self.context, i))
+                body = _body(row, self.context, i)
+            except RequestError as e:
+                errors[i] = e
+                body = None
+            req = open_request(body, kserve_route, _header(self.context, i, BINARY_SPELLINGS), self.parser,
+                               self.model_id)
+            self.requests.append(req)
+            if i in errors:
+                continue
+            try:
+                parsed = req.parse()
             except RequestError as e:
                 errors[i] = e
                 continue
@@ -134,24 +159,28 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         return results, errors, n
 
     def postprocess(self, data):
-        """One JSON body per request; a bad request gets its own status and an error body."""
+        """One body per request, shaped by its protocol; a bad request gets its own status and
+        an error body."""
         results, errors, n = data
         out = []
         ctx = self.context
         for i in range(n):
-            ctx.set_response_content_type(i, JSON)
             client_id = _client_request_id(ctx, i)
             if client_id:
                 ctx.set_response_header(i, CLIENT_ID_ECHO, client_id)
             if i in results:
-                out.append(response_body(results[i]))
-                continue
-            err = errors[i]
-            ctx.set_response_status(err.status, err.phrase, i)
-            # Never log headers: they carry the client's token. The client's id is vetted ASCII.
-            logger.info("rejected request %s%s (%d): %s", _request_id(ctx, i),
-                        f" client {client_id}" if client_id else "", err.status, err.message)
-            out.append(error_body(err))
+                reply = self.requests[i].answer(results[i])
+            else:
+                err = errors[i]
+                ctx.set_response_status(err.status, err.phrase, i)
+                # Never log headers: they carry the client's token. The client's id is vetted ASCII.
+                logger.info("rejected request %s%s (%d): %s", _request_id(ctx, i),
+                            f" client {client_id}" if client_id else "", err.status, err.message)
+                reply = self.requests[i].error(err)
+            ctx.set_response_content_type(i, reply.content_type)
+            for name, value in reply.header_fields.items():
+                ctx.set_response_header(i, name, value)
+            out.append(reply.body)
         return out
 
 

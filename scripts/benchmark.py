@@ -285,6 +285,54 @@ def bench_served(srv: Server, model: str, bodies: dict, duration: float, profile
     return out
 
 
+def v2_bodies(cfg, rng, rows: int) -> tuple[bytes, bytes, int]:
+    """One ranking request as Open Inference Protocol v2: JSON, and binary (tritonclient's
+    default). Returns (json body, binary body, its JSON header's length): the header is the
+    same for every request of one shape, so one Inference-Header-Content-Length serves all."""
+    import numpy as np
+
+    dense = np.array([[rng.uniform(-2, 2) for _ in range(cfg.num_dense_features)] for _ in range(rows)], np.float32)
+    ids = {f: np.array([rng.randrange(n) for _ in range(rows)], np.int64)
+           for f, n in zip(cfg.sparse_features, cfg.num_embeddings)}
+    tensors = [("dense", "FP32", [rows, cfg.num_dense_features], dense)] + [(f, "INT64", [rows], v) for f, v in ids.items()]
+    as_json = {"inputs": [{"name": n, "datatype": t, "shape": s, "data": a.reshape(-1).tolist()} for n, t, s, a in tensors],
+               "parameters": {"binary_data_output": False}}
+    raws = [a.astype(a.dtype.newbyteorder("<")).tobytes() for *_, a in tensors]
+    header = json.dumps({"inputs": [{"name": n, "datatype": t, "shape": s, "parameters": {"binary_data_size": len(r)}}
+                                    for (n, t, s, _), r in zip(tensors, raws)],
+                         "parameters": {"binary_data_output": True}}).encode()
+    return json.dumps(as_json).encode(), header + b"".join(raws), len(header)
+
+
+def bench_v2(srv: Server, cfg, rng, duration: float, concurrency: int = 16) -> list[dict]:
+    """128-row ranking requests on KServe's v2 route at c=16: JSON beside the binary tensor
+    extension (README "Kubernetes / KServe"); the /predictions figures are in bench_served."""
+    pool = [v2_bodies(cfg, rng, RANKING_ROWS) for _ in range(16)]
+    url = f"{srv.url}/v2/models/dlrm/infer"
+    out = []
+    for encoding in ("json", "binary"):
+        bodies = [b[0] if encoding == "json" else b[1] for b in pool]
+        headers = {"Inference-Header-Content-Length": str(pool[0][2])} if encoding == "binary" else None
+        errors = [0]
+
+        def next_request(i, bodies=bodies):
+            def check(status, _answer):
+                errors[0] += status != 200
+            return bodies[i % len(bodies)], check
+
+        asyncio.run(run_load(url, next_request, concurrency, min(2.0, duration), 100_000, headers))
+        res = asyncio.run(run_load(url, next_request, concurrency, duration, 2_000_000, headers))
+        row = {"protocol": f"v2-{encoding}", "rows_per_request": RANKING_ROWS, "concurrency": concurrency,
+               "request_bytes": len(bodies[0]), "requests_per_s": round(res.answered / res.wall_s, 1),
+               "rows_per_s": round(res.answered * RANKING_ROWS / res.wall_s),
+               "p50_ms": round(res.percentile(50), 2), "p99_ms": round(res.percentile(99), 2),
+               "errors": errors[0] + res.transport_errors}
+        out.append(row)
+        log(f"v2 {encoding} {RANKING_ROWS}-row requests ({row['request_bytes']:,} B), c={concurrency}: "
+            f"{row['rows_per_s']:,} rows/s, p50 {row['p50_ms']} ms, errors {row['errors']}")
+    return out
+
+
 def metric_value(srv: Server, name: str) -> float:
     """A counter from TorchServe's Prometheus text (0 if absent, e.g. for the echo model)."""
     import re
@@ -389,11 +437,26 @@ def markdown(report) -> str:
                      f"{r['rows_per_s']:,} | {r['p50_ms']} | {r['p90_ms']} | {r['p99_ms']} | {r['errors']} | "
                      f"{r['frontend_cpu_us_per_request']} | {r['worker_cpu_us_per_request']} | {r['client_cpu_share']} | "
                      f"{r['requests_per_batch'] or ''} |")
+    lines += kserve_v2_markdown(report)
     lines += ["", "**Targets**", "", "| target | measured | bound | |", "|---|---:|---:|---|"]
     for t in report["targets"]:
         ok = t["value"] >= t["bound"] if t["higher_is_better"] else t["value"] <= t["bound"]
         lines.append(f"| {t['target']} | {t['value']} | {t['bound']} | {'met' if ok else 'missed'} |")
     return "\n".join(lines) + "\n"
+
+
+def kserve_v2_markdown(report) -> list[str]:
+    rows = report.get("kserve_v2") or []
+    if not rows:
+        return []
+    ref = next((r for r in report["served"] if r["model"] == "dlrm" and r["rows_per_request"] == RANKING_ROWS
+                and r["concurrency"] == 16), None)
+    lines = ["", f"**KServe v2 route, {RANKING_ROWS}-row requests at c=16** (beside /predictions JSON: "
+             f"{ref['rows_per_s']:,} rows/s)" if ref else "", "",
+             "| encoding | request bytes | rows/s | p50 ms | p99 ms | errors |", "|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['protocol']} | {r['request_bytes']:,} | {r['rows_per_s']:,} | {r['p50_ms']} | {r['p99_ms']} | "
+              f"{r['errors']} |" for r in rows]
+    return lines
 
 
 def plot(report, path: Path) -> None:
@@ -469,6 +532,7 @@ def main() -> int:
             assert status == 200, status
             served = bench_served(srv, "dlrm", bodies, args.duration, out / "profile-worker")
             served += bench_served(srv, "echo", bodies, args.duration)
+            kserve_v2 = bench_v2(srv, cfg, rng, args.duration)
         finally:
             srv.stop()
 
@@ -478,7 +542,7 @@ def main() -> int:
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                     "torch": torch.__version__, "torch_threads": threads},
         "torchserve": {k: ts_doc.get(k) for k in ("batchSize", "maxBatchDelay")} | {"workers": ts_doc.get("minWorkers", 1)},
-        "raw_forward": raw, "handler": handler_rows, "served": served,
+        "raw_forward": raw, "handler": handler_rows, "served": served, "kserve_v2": kserve_v2,
         "wall_s": round(time.perf_counter() - started),
     }
     report["targets"] = targets(raw, handler_rows, served)

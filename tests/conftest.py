@@ -103,9 +103,13 @@ class FakeContext:
         self.content_types = {}
         self.headers = {}  # idx -> {name: value}
         self.response_headers = {}  # idx -> {name: value}
+        self.kserve = set()  # idx of requests sent on /v1 or /v2 (TorchServe gives them no url_path)
 
     def get_request_header(self, idx, key):
-        return self.headers.get(idx, {}).get(key)
+        if key == "url_path" and idx in self.kserve:  # TorchServe sets it on /predictions/<m> only
+            return None
+        default = {"url_path": "", "Host": "127.0.0.1:8080"}.get(key)  # what TorchServe gives REST requests
+        return self.headers.get(idx, {}).get(key, default)
 
     def set_response_header(self, idx, key, value):
         self.response_headers.setdefault(idx, {})[key] = value

@@ -1,0 +1,153 @@
+#!/usr/bin/env python
+"""KServe deployment files for a DLRM config.
+
+    python scripts/kserve_deploy.py layout --out build/kserve        # then copy it to object storage:
+    aws s3 cp --recursive build/kserve s3://BUCKET/dlrm              # storageUri: s3://BUCKET/dlrm
+    python scripts/kserve_deploy.py sizing > deploy/kserve/base/sizing.yaml
+    python scripts/kserve_deploy.py sizing --kind Deployment > deploy/kserve/plain/sizing.yaml
+
+``layout`` writes what KServe's TorchServe runtime reads from ``storageUri`` (mounted at
+/mnt/models): ``config/config.properties`` (enable_envvars_config=true, a model_snapshot naming
+the archive with the config's batchSize / maxBatchDelay / timeouts), ``config/metrics.yaml``
+and ``model-store/dlrm.mar`` (built from the config, or copied with --mar).
+``sizing`` writes the kustomize patch of the predictor's resources and probe timings from
+scripts/sizing.py for the config (memory for the chosen embedding dtype, one core per worker
+plus one for TorchServe's frontend, startupProbe allowing the config's startupTimeout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+MOUNT = "/mnt/models"  # where KServe's storage initializer puts storageUri's files
+INFERENCE_PORT = 8085  # KServe's TorchServe sample config; the runtime's container port
+FRONTEND_BYTES = 1 << 30  # TorchServe's Java frontend (heap + threads), beside the workers
+GIB = 1 << 30
+
+
+def properties(config_path: Path, mount: str, model: str = "dlrm") -> str:
+    """config.properties as KServe's TorchServe runtime reads it."""
+    import yaml
+
+    top = yaml.safe_load(config_path.read_text()) or {}
+    version = {"defaultVersion": True, "marName": f"{model}.mar",
+               "minWorkers": top.get("minWorkers", 1), "maxWorkers": top.get("maxWorkers", 1),
+               "batchSize": top.get("batchSize", 1), "maxBatchDelay": top.get("maxBatchDelay", 100),
+               "responseTimeout": top.get("responseTimeout", 120)}
+    if "startupTimeout" in top:
+        version["startupTimeout"] = top["startupTimeout"]
+    snapshot = {"name": "startup.cfg", "modelCount": 1, "models": {model: {"1.0": version}}}
+    lines = [
+        "# Written by scripts/kserve_deploy.py layout for KServe's TorchServe runtime, which starts",
+        f"#   torchserve --start --model-store={mount}/model-store --ts-config={mount}/config/config.properties",
+        "# TS_<PROPERTY> variables override these (enable_envvars_config); the InferenceService",
+        "# empties TS_SERVICE_ENVELOPE: the handler speaks KServe v1 / v2 itself, batch by batch.",
+        f"inference_address=http://0.0.0.0:{INFERENCE_PORT}",
+        f"management_address=http://0.0.0.0:{INFERENCE_PORT}",
+        "metrics_address=http://0.0.0.0:8082",
+        "grpc_inference_port=7070",
+        "grpc_management_port=7071",
+        "enable_envvars_config=true",
+        "install_py_dep_per_model=false",
+        # KServe's ingress and the pod network are the boundary; its clients send no TorchServe token.
+        "disable_token_authorization=true",
+        "enable_model_api=false",
+        "decode_input_request=false",
+        "metrics_mode=prometheus",
+        f"metrics_config={mount}/config/metrics.yaml",
+        f"model_store={mount}/model-store",
+        "model_snapshot=" + json.dumps(snapshot, separators=(",", ":")),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def layout(args) -> Path:
+    out = Path(args.out)
+    (out / "config").mkdir(parents=True, exist_ok=True)
+    (out / "model-store").mkdir(parents=True, exist_ok=True)
+    mar = out / "model-store" / f"{args.model_name}.mar"
+    if args.mar:
+        shutil.copyfile(args.mar, mar)
+    else:
+        import build_mar
+
+        build_mar.main(["--config", str(args.config), "--output-dir", str(mar.parent),
+                        "--model-name", args.model_name, "--force"])
+    (out / "config" / "config.properties").write_text(properties(Path(args.config), args.mount, args.model_name))
+    shutil.copyfile(ROOT / "metrics.yaml", out / "config" / "metrics.yaml")
+    print(f"[layout] {out}: config/config.properties, config/metrics.yaml, model-store/{mar.name}")
+    return out
+
+
+def sizing_patch(config_path: Path, kind: str = "InferenceService") -> str:
+    """The kustomize strategic-merge patch of the InferenceService's predictor, or of the plain
+    Deployment's container."""
+    import yaml
+
+    import sizing
+    from dlrm_config import DLRMConfig
+
+    config = DLRMConfig.from_yaml(config_path)
+    top = yaml.safe_load(config_path.read_text()) or {}
+    workers = int(top.get("maxWorkers", 1))
+    overhead = sizing.parse_bytes("450MiB")
+    # The budget only feeds the report's worker counts, unused here: replicas scale out instead.
+    rep = sizing.report(config, 64 * GIB, overhead, 20.0, 200.0)["dtypes"][config.embedding_dtype]
+    # CPU workers share one mmapped copy of the tables; each worker adds its process.
+    need = rep["table_bytes"] + workers * (rep["model_bytes"] - rep["table_bytes"] + overhead) + FRONTEND_BYTES
+    memory_gib = max(2, math.ceil(need * 1.25 / GIB))  # 25% headroom for batches in flight
+    cpu = workers + 1  # torch threads per worker = its share of the cores less one for the frontend
+    startup_s = max(rep["startup_timeout_s"], int(top.get("startupTimeout", 0)))
+    resources = {"requests": {"cpu": str(cpu), "memory": f"{memory_gib}Gi"},
+                 "limits": {"cpu": str(cpu), "memory": f"{memory_gib}Gi"}}
+    def ping():  # a fresh dict each time: no YAML anchors in the patch
+        return {"httpGet": {"path": "/ping", "port": INFERENCE_PORT}, "periodSeconds": 10, "timeoutSeconds": 5}
+
+    container = {
+        "resources": resources,
+        # The model may take startupTimeout to load; liveness waits for this probe.
+        "startupProbe": {**ping(), "failureThreshold": math.ceil(startup_s / 10)},
+        "livenessProbe": {**ping(), "failureThreshold": 3},
+    }
+    if kind == "InferenceService":
+        patch = {"apiVersion": "serving.kserve.io/v1beta1", "kind": kind, "metadata": {"name": "dlrm"},
+                 "spec": {"predictor": {"model": container}}}
+    else:
+        patch = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "dlrm"},
+                 "spec": {"template": {"spec": {"containers": [{"name": "torchserve", **container}]}}}}
+    head = (f"# Generated by scripts/kserve_deploy.py sizing --kind {kind} --config {config_path.name}: "
+            f"{config.embedding_dtype} tables {sizing.human(rep['table_bytes'])}, {workers} worker(s),\n"
+            f"# startupTimeout {startup_s} s. Regenerate it when the config changes (a test compares).\n")
+    return head + yaml.safe_dump(patch, sort_keys=False)
+
+
+def main(argv: list[str] | None = None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    lay = sub.add_parser("layout", help="write the storage layout KServe's TorchServe runtime reads")
+    lay.add_argument("--out", required=True, help="folder to write (copy it to the storageUri)")
+    lay.add_argument("--config", default=str(ROOT / "model-config.yaml"), help="model config (default: %(default)s)")
+    lay.add_argument("--mar", help="an archive already built from --config (default: build one)")
+    lay.add_argument("--model-name", default="dlrm", help="model and archive name (default: %(default)s)")
+    lay.add_argument("--mount", default=MOUNT, help="where the pod sees the layout (default: %(default)s)")
+    siz = sub.add_parser("sizing", help="print the InferenceService resources/probes patch for a config")
+    siz.add_argument("--config", default=str(ROOT / "model-config.yaml"), help="model config (default: %(default)s)")
+    siz.add_argument("--kind", choices=["InferenceService", "Deployment"], default="InferenceService",
+                     help="patch the KServe predictor or the plain Deployment (default: %(default)s)")
+    args = ap.parse_args(argv)
+    if args.command == "layout":
+        return layout(args)
+    sys.stdout.write(sizing_patch(Path(args.config), args.kind))
+
+
+if __name__ == "__main__":
+    main()
