@@ -212,7 +212,6 @@ class RequestParser:
         return self._parse(_decode(body))
 
     def _parse(self, req: _Request | _FastRequest) -> ParsedRequest:
-        c = self.config
         row_fields = (req.dense, req.sparse, req.float_features, req.id_list_lengths, req.id_list_values)
         if req.context is not None or req.candidates is not None:
             return self._ranking(req, row_fields)
