@@ -161,6 +161,46 @@ class DLRMFactory:
             copy_tables(qebc, state)
         return (shard(model, devices)[0] if sharded else model).eval()
 
+    def freeze_dense(self, model: DLRM) -> list[str]:
+        """Swap the dense arch and the over arch for ``torch.jit.freeze``-d traces of themselves:
+        the forward at batch 1-32 took ~8-10% less on CPU (README, Performance). Each is traced
+        on a probe batch and kept only if its output there equals the eager module's bit for bit
+        (else left eager). Returns the names of the parts frozen. A frozen part has no
+        parameters left: call this on a model to serve, not one to save or shard."""
+        c, n = self.config, 8
+        dense = torch.randn(n, c.num_dense_features, generator=torch.Generator().manual_seed(0))
+        # id 0 of every table: random ids would page in (and count in RSS) scattered table pages
+        kjt = KeyedJaggedTensor(keys=list(c.sparse_features), values=torch.zeros(c.num_features * n, dtype=torch.int64),
+                                lengths=torch.ones(c.num_features * n, dtype=torch.int64))
+        device = next(model.over_arch.parameters()).device
+        seen: dict[str, tuple] = {}
+
+        def keep(name):
+            def hook(module, args, out):
+                seen[name] = (args, out)  # returns None: the output stays as it is
+            return hook
+
+        hooks = [getattr(model, name).register_forward_hook(keep(name)) for name in ("dense_arch", "over_arch")]
+        try:
+            with torch.no_grad():
+                model(dense.to(device), kjt.to(device))
+        finally:
+            for h in hooks:
+                h.remove()
+        frozen = []
+        for name, (args, want) in seen.items():
+            try:
+                with torch.no_grad():
+                    part = torch.jit.freeze(torch.jit.trace(getattr(model, name).eval(), args))
+                    same = torch.equal(part(*args), want)
+            except Exception as e:  # a part tracing cannot take: it stays eager
+                logger.info("%s stays eager: %s", name, e)
+                continue
+            if same:
+                setattr(model, name, part)
+                frozen.append(name)
+        return frozen
+
     def load_fp32(self, weights: str | Path) -> DLRM:
         """A trained fp32 state_dict (``--checkpoint``), whatever ``embedding_dtype`` says, on CPU."""
         return self._load_fp32(_read(weights)).eval()

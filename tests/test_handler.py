@@ -117,7 +117,7 @@ def test_handler_uses_cpu_without_cuda_even_with_a_gpu_id(tmp_path, weights):
     h.initialize(FakeContext(tmp_path, dict(TINY), gpu_id=0))
     want = "cuda:0" if torch.cuda.is_available() else "cpu"
     assert str(h.device) == want
-    assert {p.device.type for p in h.model.parameters()} == {torch.device(want).type}
+    assert {t.device.type for t in [*h.model.parameters(), *h.model.buffers()]} == {torch.device(want).type}
 
 
 def test_modules_define_exactly_one_class():

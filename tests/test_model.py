@@ -135,3 +135,15 @@ def test_repo_layout_has_the_user_files():
                  "README.md", "pyproject.toml", "Makefile", ".ci/run"]:
         assert (ROOT / name).is_file(), name
     assert Path(ROOT / "sample_requests").is_dir()
+
+
+def test_freeze_dense_keeps_scores_identical(archived, config):
+    """The handler serves jit.freeze-d dense and over arches: same scores at any batch size."""
+    eager = DLRMFactory(config).load(archived)
+    frozen = DLRMFactory(config).load(archived)
+    assert DLRMFactory(config).freeze_dense(frozen) == ["dense_arch", "over_arch"]
+    assert isinstance(frozen.over_arch, torch.jit.ScriptModule)
+    for n in (1, 5, 64):
+        dense, kjt = DLRMFactory(config).probe_batch(n, torch.Generator().manual_seed(n))
+        with torch.inference_mode():
+            assert torch.equal(frozen(dense, kjt), eager(dense, kjt))
