@@ -242,3 +242,19 @@ def test_near_valid_requests(value):
 @given(st.binary(max_size=200))
 def test_any_bytes(raw):
     _accepts_or_refuses(raw)
+
+
+@pytest.mark.parametrize("case,raw,status,starts,contains", CASES, ids=[c[0] for c in CASES])
+def test_large_bodies_take_the_fast_decoder_and_get_the_same_answer(case, raw, status, starts, contains):
+    """Bodies of 4 KB or more are decoded with the lean schema (bounds checked afterwards, a
+    refused request parsed again strictly): the answer is the small body's, word for word."""
+    def answer(body):
+        cfg = tiny_config()
+        try:
+            parsed = RequestParser(cfg).parse(body)
+        except RequestError as e:
+            return e.status, e.message
+        _, errors = collate([parsed], cfg)
+        return (errors[0].status, errors[0].message) if errors else (200, "")
+
+    assert answer(raw + b" " * 4096) == answer(raw)
