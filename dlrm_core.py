@@ -547,10 +547,15 @@ def _collate(
     values = kjt_values
     kjt = KeyedJaggedTensor(
         keys=list(config.sparse_features),
-        values=torch.from_numpy(values).to(device),
-        lengths=torch.from_numpy(lengths).to(device),
+        values=_on(torch.from_numpy(values), device),
+        lengths=_on(torch.from_numpy(lengths), device),
     )
-    return Batch(torch.from_numpy(dense).to(device), kjt, rows, remapped), {}
+    return Batch(_on(torch.from_numpy(dense), device), kjt, rows, remapped), {}
+
+
+def _on(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t.to(device)``; skipped for the CPU, where it is a no-op that still costs ~5 µs."""
+    return t if str(device) == "cpu" else t.to(device)
 
 
 def _out_of_range_errors(
