@@ -10,6 +10,8 @@ Request forms (a body may hold one instance, or several under ``instances``)::
 
     {"dense": [0.1, 0.2], "sparse": {"keys": ["f1", "f0"], "values": [7, 3, 4], "lengths": [1, 2]}}
     {"instances": [<instance>, <instance>, ...]}
+    {"context": {"dense": [...], "sparse": {...}}, "candidates": [{"sparse": {...}}, ...]}
+                                                       # one row per candidate: context + its own
     {"float_features": [...], "id_list_features.lengths": [<one per feature, model order>],
      "id_list_features.values": [...]}                 # the pytorch/serve torchrec_dlrm format
 
