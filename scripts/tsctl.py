@@ -185,6 +185,21 @@ class Server:
         """The pids of the model's workers, from the management API."""
         return worker_pids(self.management_url, model, self.auth("management"))
 
+    def wait_workers_ready(self, model: str, count: int, timeout: float = 180.0) -> list[int]:
+        """Poll the management API until ``count`` workers of ``model`` are READY (a model answers
+        as soon as one worker is); returns their pids."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status, body, _ = get(f"{self.management_url}/models/{model}", headers=self.auth("management"))
+            workers = [w for m in json.loads(body) for w in m["workers"]] if status == 200 else []
+            ready = sorted(w["pid"] for w in workers if w.get("status") == "READY")
+            if len(ready) >= count:
+                return ready
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{model}: {len(ready)} of {count} workers READY after {timeout:.0f} s "
+                                   f"({[w.get('status') for w in workers]}); see {self.log_dir}/")
+            time.sleep(0.5)
+
     def wipe(self) -> None:
         shutil.rmtree(self.home, ignore_errors=True)
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from helpers import body, instance
+from helpers import body, instance, metrics_delta as wait_for, scrape, settled, wait_until
 from test_server import SAMPLES, build_archive
 from tsctl import Server, get, post
 
@@ -44,29 +44,6 @@ def predict(srv, raw: bytes, version: str = "", headers: dict | None = None):
     return status, json.loads(answer), {k.lower(): v for k, v in hdrs.items()}
 
 
-def scrape(srv) -> dict[str, float]:
-    """dlrm_* samples of /metrics (Prometheus text, no token): {'name{labels}': value}."""
-    status, text, _ = get(f"{srv.metrics_url}/metrics")
-    assert status == 200
-    out = {}
-    for line in text.decode().splitlines():
-        m = re.match(r'(dlrm_\w+)\{(?:ErrorType="(\w+)",)?ModelName="dlrm",Level="Model",Hostname="[^"]*",\} (\S+)$',
-                     line)
-        if m:
-            out[m.group(1) + (f"[{m.group(2)}]" if m.group(2) else "")] = float(m.group(3))
-    return out
-
-
-def wait_for(srv, want: dict[str, float], before: dict[str, float], timeout: float = 10.0) -> dict[str, float]:
-    """The frontend reads the worker's metric lines asynchronously: poll until the counters
-    have moved by at least ``want``; the caller asserts exact values."""
-    deadline = time.monotonic() + timeout
-    while True:
-        now = scrape(srv)
-        if all(now.get(k, 0) - before.get(k, 0) >= v for k, v in want.items()) or time.monotonic() > deadline:
-            return {k: now.get(k, 0) - before.get(k, 0) for k in set(now) | set(want)}
-
-
 def versions(srv) -> list[tuple[str, str]]:
     status, answer, _ = get(f"{srv.management_url}/models/dlrm/all", headers=srv.auth("management"))
     assert status == 200, answer
@@ -76,17 +53,6 @@ def versions(srv) -> list[tuple[str, str]]:
 def default_version(srv) -> str:
     status, answer, _ = get(f"{srv.management_url}/models/dlrm", headers=srv.auth("management"))
     return json.loads(answer)[0]["modelVersion"]
-
-
-def settled(srv) -> dict[str, float]:
-    """The counters once the startup probes' metric lines have been read (no change in 0.5 s)."""
-    last = scrape(srv)
-    while True:
-        time.sleep(0.5)
-        now = scrape(srv)
-        if now == last:
-            return now
-        last = now
 
 
 def test_custom_metrics_appear_in_prometheus_text(server):
@@ -118,10 +84,8 @@ def test_rejections_are_logged_with_both_request_ids_and_client_ids_are_echoed(s
     status, _, headers = predict(server, GOOD)
     assert status == 200 and "x-client-request-id" not in headers
     log = server.log_dir / "model_log.log"
-    deadline = time.monotonic() + 10
-    while f"rejected request {ts_id}" not in log.read_text() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    line = next(ln for ln in log.read_text().splitlines() if f"rejected request {ts_id}" in ln)
+    text = wait_until(log.read_text, lambda t: f"rejected request {ts_id}" in t)
+    line = next(ln for ln in text.splitlines() if f"rejected request {ts_id}" in ln)
     assert line.endswith(f"rejected request {ts_id} client trace-7f3a (400): body: expected a JSON object, "
                          "got malformed JSON (input data was truncated)")
     assert server.token("inference") not in log.read_text()
@@ -163,7 +127,7 @@ def test_rollout_under_load_loses_no_request(server, tmp_path):
     for c in clients:
         c.start()
     try:
-        time.sleep(0.5)
+        wait_until(lambda: len(results), lambda n: n >= 5)  # the clients are sending
         rc = rollout.main(["--home", str(server.home), "--config", str(config), "--timeout", "120"])
         time.sleep(0.5)
     finally:

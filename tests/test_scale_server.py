@@ -13,6 +13,7 @@ from conftest import ROOT
 from dlrm_config import DLRMConfig
 from dlrm_core import RequestParser, collate, scores
 from dlrm_factory import DLRMFactory
+from helpers import wait_until
 from tsctl import Server, post
 
 pytestmark = pytest.mark.integration
@@ -71,12 +72,13 @@ def test_out_of_range_id_is_refused_by_quantized_models(server):
 
 
 def test_two_workers_map_one_archive_file(server):
-    pids = server.worker_pids("dlrm_int8")
+    # The model answers once one worker is up; the second may still be loading: wait for both.
+    pids = server.wait_workers_ready("dlrm_int8", 2, timeout=240)
     assert len(pids) == 2
 
     def mapped(pid):
         return {line.split(maxsplit=5)[5] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
                 if line.rstrip().endswith("/dlrm.pt")}
 
-    files = [mapped(p) for p in pids]
+    files = wait_until(lambda: [mapped(p) for p in pids], lambda f: all(f), timeout=60)
     assert files[0] and files[0] == files[1], files  # one file, the page cache holds it once

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -13,7 +11,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from helpers import instance
+from helpers import instance, metrics_delta, settled
 from tsctl import Server, get, post, request
 
 pytestmark = pytest.mark.integration
@@ -54,10 +52,14 @@ def predict(srv, raw: bytes, content_type="application/json", headers=None):
     return status, json.loads(body), {k.lower(): v for k, v in hdrs.items()}
 
 
-def batches_so_far(srv) -> int:
-    """How many handler calls the worker has logged (TorchServe's own log line per batch)."""
-    log = (srv.log_dir / "model_log.log").read_text(errors="replace")
-    return len(re.findall(r"Backend received inference at", log))
+def batches_for(srv, send, n_requests: int) -> int:
+    """Run ``send`` (which makes ``n_requests`` requests) and return how many handler calls
+    (TorchServe batches) served them, from the handler's counters once all are counted."""
+    before = settled(srv)
+    result = send()
+    delta = metrics_delta(srv, {"dlrm_requests_total": n_requests}, before)
+    assert delta["dlrm_requests_total"] == n_requests, delta
+    return result, int(delta["dlrm_batches_total"])
 
 
 def random_request(rng: random.Random) -> dict:
@@ -100,12 +102,9 @@ def test_concurrent_mixed_requests_get_their_solo_scores(server):
     reqs = [json.dumps(random_request(rng)).encode() for _ in range(48)]
     solo = [predict(server, r) for r in reqs]
     assert all(s == 200 for s, _, _ in solo), solo
-    before = batches_so_far(server)
     with ThreadPoolExecutor(16) as pool:
-        together = list(pool.map(lambda r: predict(server, r), reqs))
-    time.sleep(0.5)  # let the worker's log catch up
-    shared = len(reqs) - (batches_so_far(server) - before)
-    assert shared > 0, "no two requests shared a TorchServe batch"
+        together, batches = batches_for(server, lambda: list(pool.map(lambda r: predict(server, r), reqs)), len(reqs))
+    assert batches < len(reqs), "no two requests shared a TorchServe batch"
     for (s1, a1, _), (s2, a2, _) in zip(solo, together):
         assert s2 == 200
         assert len(a1["scores"]) == len(a2["scores"])
@@ -131,11 +130,9 @@ def test_bad_requests_in_a_batch_fail_alone_and_the_worker_survives(server):
     ]
     mixed = [(g, 200, s) for g, s in zip(good, solo)] + bad
     rng.shuffle(mixed)
-    before = batches_so_far(server)
     with ThreadPoolExecutor(16) as pool:
-        answers = list(pool.map(lambda m: predict(server, m[0]), mixed))
-    time.sleep(0.5)
-    assert batches_so_far(server) - before < len(mixed), "no two requests shared a TorchServe batch"
+        answers, batches = batches_for(server, lambda: list(pool.map(lambda m: predict(server, m[0]), mixed)), len(mixed))
+    assert batches < len(mixed), "no two requests shared a TorchServe batch"
     for (raw, want_status, want), (status, answer, headers) in zip(mixed, answers):
         assert status == want_status, (raw[:80], answer)
         assert headers["content-type"] == "application/json"
