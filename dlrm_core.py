@@ -221,8 +221,12 @@ class RequestParser:
                 f"{name}: at most {c.max_instances_per_request} instances per request "
                 f"(handler.max_instances_per_request), got {len(rows)}"
             )
-        n_ids = (shared_ids * len(rows) + sum(map(len, map(_VALUES, filter(None, map(_SPARSE, rows)))))
-                 + sum(map(len, filter(None, map(_ID_VALUES, rows)))))
+        if len(rows) == 1:  # the common single-row request: no iterator chain
+            r = rows[0]
+            n_ids = shared_ids + (len(r.sparse.values) if r.sparse is not None else len(r.id_list_values or ()))
+        else:
+            n_ids = (shared_ids * len(rows) + sum(map(len, map(_VALUES, filter(None, map(_SPARSE, rows)))))
+                     + sum(map(len, filter(None, map(_ID_VALUES, rows)))))
         if n_ids > c.max_ids_per_request:
             raise PayloadTooLarge(
                 f"sparse.values: at most {c.max_ids_per_request} ids per request "
