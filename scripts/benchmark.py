@@ -120,9 +120,10 @@ def bench_raw(model, cfg, seconds: float, unfused=None) -> list[dict]:
 
         models = {"": model} if unfused is None else {"": model, "unfused_": unfused}
         times = {k: [] for k in models}
-        for _ in range(2 if unfused is not None else 1):
-            for k, m in models.items():
-                times[k] += timed_calls(caller(m), seconds / len(times) / (2 if unfused is not None else 1))
+        rounds = 2 if unfused is not None else 1
+        for r in range(rounds):  # the order alternates: the first one after a change of inputs is colder
+            for k, m in (list(models.items()) if r % 2 == 0 else list(models.items())[::-1]):
+                times[k] += timed_calls(caller(m), seconds / len(times) / rounds)
         row = {"batch": b}
         for k, t in times.items():
             row.update({f"{k}calls": len(t), f"{k}rows_per_s": round(b * len(t) / sum(t)),
