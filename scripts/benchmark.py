@@ -7,7 +7,8 @@
 One run, one machine, four parts (the Criteo-layout config by default):
   1. raw model forward as served (fp32 tables in fbgemm's fused kernel, dense and over arch
      jit-frozen): rows/s and p50/p99 per call at batch 1, 32, 128, 512; the previous path (the
-     same weights in torchrec's unfused EmbeddingBagCollection, eager), interleaved;
+     same weights in torchrec's unfused EmbeddingBagCollection, eager) and the served model
+     without the frozen dense parts, interleaved in alternating order;
   2. the handler in-process (fake context, no server): microseconds per request and per row in
      parse+validation, KJT collation, forward and response building, for single-row requests,
      128-row `instances` requests and 128-row ranking-form requests (context + candidates);
@@ -96,7 +97,7 @@ def timed_calls(fn, min_s: float, max_calls: int = 2000) -> list[float]:
     return out
 
 
-def bench_raw(model, cfg, seconds: float, unfused=None) -> list[dict]:
+def bench_raw(model, cfg, seconds: float, unfused=None, eager=None) -> list[dict]:
     """Rows/s of ``model`` per batch size; with ``unfused`` (the same weights in torchrec's
     nn.EmbeddingBag collection), that model too on the same inputs, the two interleaved so
     that both see the same machine, and the largest score difference between them."""
@@ -118,9 +119,10 @@ def bench_raw(model, cfg, seconds: float, unfused=None) -> list[dict]:
                     return m(dense, kjt)
             return call
 
-        models = {"": model} if unfused is None else {"": model, "unfused_": unfused}
+        models = {"": model, "unfused_": unfused, "eager_": eager}
+        models = {k: m for k, m in models.items() if m is not None}
         times = {k: [] for k in models}
-        rounds = 2 if unfused is not None else 1
+        rounds = 2 if len(models) > 1 else 1
         for r in range(rounds):  # the order alternates: the first one after a change of inputs is colder
             for k, m in (list(models.items()) if r % 2 == 0 else list(models.items())[::-1]):
                 times[k] += timed_calls(caller(m), seconds / len(times) / rounds)
@@ -134,6 +136,11 @@ def bench_raw(model, cfg, seconds: float, unfused=None) -> list[dict]:
             row["max_abs_logit_diff_vs_unfused"] = float((caller(model)() - caller(unfused)()).abs().max())
             msg += (f"; unfused EmbeddingBagCollection {row['unfused_rows_per_s']:,} rows/s "
                     f"(fused x{row['fused_vs_unfused']}, max |logit diff| {row['max_abs_logit_diff_vs_unfused']:.1e})")
+        if eager is not None:
+            row["frozen_vs_eager"] = round(row["rows_per_s"] / row["eager_rows_per_s"], 3)
+            row["frozen_equals_eager"] = bool(torch.equal(caller(model)(), caller(eager)()))
+            msg += (f"; dense parts not frozen {row['eager_rows_per_s']:,} rows/s (frozen x{row['frozen_vs_eager']}, "
+                    f"same logits: {row['frozen_equals_eager']})")
         rows.append(row)
         log(msg)
         if b == 1:
@@ -430,11 +437,14 @@ def markdown(report) -> str:
              f"maxBatchDelay {report['torchserve']['maxBatchDelay']} ms, {report['torchserve']['workers']} worker(s).", ""]
     lines += ["**1. Raw forward** (the model as served: fp32 tables in fbgemm's fused kernel, dense and over "
               "arch jit-frozen; beside it the previous path, torchrec's unfused nn.EmbeddingBag collection "
-              "in an eager model, on the same weights and inputs, interleaved)", "",
-              "| batch | rows/s | p50 ms | p99 ms | unfused rows/s | unfused p50 ms | fused / unfused | max abs logit diff |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "in an eager model, and the served model with its dense parts not frozen: same weights and "
+              "inputs, interleaved)", "",
+              "| batch | rows/s | p50 ms | p99 ms | unfused rows/s | unfused p50 ms | served / unfused | max abs logit diff "
+              "| not frozen rows/s | frozen / not frozen | same logits |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     lines += [f"| {r['batch']} | {r['rows_per_s']:,} | {r['p50_ms']} | {r['p99_ms']} | {r.get('unfused_rows_per_s', 0):,} | "
-              f"{r.get('unfused_p50_ms', '')} | {r.get('fused_vs_unfused', '')} | {r.get('max_abs_logit_diff_vs_unfused', 0):.1e} |"
+              f"{r.get('unfused_p50_ms', '')} | {r.get('fused_vs_unfused', '')} | {r.get('max_abs_logit_diff_vs_unfused', 0):.1e} "
+              f"| {r.get('eager_rows_per_s', 0):,} | {r.get('frozen_vs_eager', '')} | {r.get('frozen_equals_eager', '')} |"
               for r in report["raw_forward"]]
     paced = report["raw_forward"][0].get("paced_2ms_p50_ms")
     if paced:
@@ -524,8 +534,9 @@ def main() -> int:
         handler = TorchRecDLRMHandler()
         handler.initialize(_Context(tmp / "model", ts_doc["handler"]))
         unfused = DLRMFactory(cfg).random()  # the archive's weights: build_mar.py draws them from the seed
-        raw = bench_raw(handler.model, cfg, args.raw_seconds, unfused)
-        del unfused
+        eager = DLRMFactory(cfg).load(tmp / "model" / "dlrm.pt")  # as served, dense parts not frozen
+        raw = bench_raw(handler.model, cfg, args.raw_seconds, unfused, eager)
+        del unfused, eager
         handler_rows = bench_handler(handler, cfg, args.raw_seconds * 2)
         threads = torch.get_num_threads()
         del handler
