@@ -53,8 +53,8 @@ class DLRMConfig:
     max_instances_per_request: int = 4096
     max_ids_per_request: int = 65536
     torch_threads: int = 0  # intra-op threads per worker; 0 = the worker's share of the cores
-    # How the archive stores the tables and the worker holds them: fp32 (nn.EmbeddingBag), or
-    # torchrec's quantized kernels (fp16 2x, int8 ~3.2x, int4 ~5x smaller at D=64).
+    # How the archive stores the tables and the worker holds them, all in fbgemm's fused
+    # table-batched kernel: fp32, or quantized (fp16 2x, int8 ~3.2x, int4 ~5x smaller at D=64).
     embedding_dtype: str = "fp32"
     interaction: str = "dot"  # dot | dcn | projection
     dcn_num_layers: int | None = None  # dcn only: cross layers

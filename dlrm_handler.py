@@ -73,17 +73,20 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         workers = (context.model_yaml_config or {}).get("maxWorkers") or 1
         torch.set_num_threads(torch_threads(self.config.torch_threads, workers))
         started = time.perf_counter()
-        self.model = DLRMFactory(self.config).load(os.path.join(model_dir, serialized), devices)
+        factory = DLRMFactory(self.config)
+        self.model = factory.load(os.path.join(model_dir, serialized), devices)
+        frozen = factory.freeze_dense(self.model) if len(devices) == 1 else []
         self.parser = RequestParser(self.config)
         model = (self.manifest or {}).get("model", {})
         self.model_id = (model.get("modelName", "dlrm"), str(model.get("modelVersion", "1.0")))
         self.initialized = True
         logger.info(
             "DLRM loaded on %s in %.1f s: %d dense, %d sparse features, %d embedding rows (%s), output %s, "
-            "%d torch threads",
+            "%d torch threads, frozen: %s",
             ", ".join(map(str, devices)) + (" (tables sharded)" if len(devices) > 1 else ""),
             time.perf_counter() - started, self.config.num_dense_features, self.config.num_features,
             sum(self.config.num_embeddings), self.config.embedding_dtype, self.config.output, torch.get_num_threads(),
+            ", ".join(frozen) or "nothing",
         )
 
     def handle(self, data, context):

@@ -45,12 +45,10 @@ _LAZY_MIN_BYTES = 1 << 20
 def table_bytes(rows: int, dim: int, dtype: str) -> int:
     """Bytes one table takes in memory (and in the archive) as this kit stores it.
 
-    fp32 is a plain ``nn.EmbeddingBag`` (rows x D x 4). The quantized kinds are fbgemm rows:
-    D values, plus a 4-byte fp16 scale/bias for int8/int4, padded to 16 bytes, and the table
-    padded to a 128-byte cache line (what ``nbit_construct_split_state`` allocates).
+    Every dtype is stored as fbgemm rows: D values, plus a 4-byte fp16 scale/bias for
+    int8/int4, padded to 16 bytes, and the table padded to a 128-byte cache line (what
+    ``nbit_construct_split_state`` allocates); fp32 at D % 4 == 0: rows x D x 4, rounded up to 128.
     """
-    if dtype == "fp32":
-        return rows * dim * 4
     row = rounded_row_size_in_bytes(dim, _SPARSE_TYPE[dtype], DEFAULT_ROW_ALIGNMENT)
     return align_to_cacheline(rows * row)
 

@@ -5,14 +5,19 @@
     python scripts/benchmark.py --duration 3     # a quick look
 
 One run, one machine, four parts (the Criteo-layout config by default):
-  1. raw model forward: rows/s and p50/p99 per call at batch 1, 32, 128, 512;
+  1. raw model forward as served (fp32 tables in fbgemm's fused kernel, dense and over arch
+     jit-frozen): rows/s and p50/p99 per call at batch 1, 32, 128, 512; the previous path (the
+     same weights in torchrec's unfused EmbeddingBagCollection, eager) and the served model
+     without the frozen dense parts, interleaved in alternating order;
   2. the handler in-process (fake context, no server): microseconds per request and per row in
-     parse+validation, KJT collation, forward and response building;
+     parse+validation, KJT collation, forward and response building, for single-row requests,
+     128-row `instances` requests and 128-row ranking-form requests (context + candidates);
   3. served by a real TorchServe on 127.0.0.1: requests/s, rows/s, p50/p90/p99 and errors at
-     concurrency 1, 16, 64 for single-row and 128-row requests;
+     concurrency 1, 16, 64 for single-row and 128-row requests (both forms); fp16 and int8
+     archives of the same model at the two headline points (single-row c=64, ranking c=16);
   4. the same load against a trivial echo handler served with the same TorchServe settings.
-Writes results/benchmark.json, results/benchmark.md and results/benchmark.png, and checks the
-targets (ratios within this run).
+Writes results/benchmark.json, results/benchmark.md and results/benchmark.png, and computes the
+targets from this run's own figures (ratios within one run).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ sys.path.insert(0, str(ROOT))
 BATCHES = (1, 32, 128, 512)
 CONCURRENCY = (1, 16, 64)
 RANKING_ROWS = 128
+RANKING = "ranking"  # the 128-row ranking form, beside the 128-row instances form
+QUANTIZED = ("fp16", "int8")  # served at the headline points beside fp32
 
 
 def log(msg: str) -> None:
@@ -64,6 +71,19 @@ def make_body(cfg, rng, rows: int) -> bytes:
     return json.dumps({"instances": [make_instance(cfg, rng) for _ in range(rows)]}).encode()
 
 
+def make_ranking_body(cfg, rng, rows: int) -> bytes:
+    """One user, ``rows`` candidates: the dense features and the first half of the sparse
+    features (the user's) sent once in the context, the other half per candidate."""
+    half = cfg.num_features // 2
+    user = make_instance(cfg, rng)
+    context = {"dense": user["dense"], "sparse": {"keys": list(cfg.sparse_features[:half]),
+                                                  "values": user["sparse"]["values"][:half], "lengths": [1] * half}}
+    keys = list(cfg.sparse_features[half:])
+    candidates = [{"sparse": {"keys": keys, "values": [rng.randrange(n) for n in cfg.num_embeddings[half:]],
+                              "lengths": [1] * len(keys)}} for _ in range(rows)]
+    return json.dumps({"context": context, "candidates": candidates}).encode()
+
+
 # --- 1. raw forward ------------------------------------------------------------------------------
 
 def timed_calls(fn, min_s: float, max_calls: int = 2000) -> list[float]:
@@ -77,31 +97,57 @@ def timed_calls(fn, min_s: float, max_calls: int = 2000) -> list[float]:
     return out
 
 
-def bench_raw(model, cfg, seconds: float) -> list[dict]:
+def bench_raw(model, cfg, seconds: float, unfused=None, eager=None) -> list[dict]:
+    """Rows/s of ``model`` per batch size; with ``unfused`` (the same weights in torchrec's
+    nn.EmbeddingBag collection), that model too on the same inputs, the two interleaved so
+    that both see the same machine, and the largest score difference between them."""
     import torch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     rows = []
     rng = random.Random(1)
     for b in BATCHES:
         bodies = [make_instance(cfg, rng) for _ in range(b)]
         dense = torch.tensor([i["dense"] for i in bodies], dtype=torch.float32)
-        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
         values = torch.tensor([i["sparse"]["values"] for i in bodies], dtype=torch.int64).t().reshape(-1)
         kjt = KeyedJaggedTensor(keys=list(cfg.sparse_features), values=values,
                                 lengths=torch.ones(cfg.num_features * b, dtype=torch.int64))
 
-        def call():
-            with torch.inference_mode():
-                model(dense, kjt)
+        def caller(m):
+            def call():
+                with torch.inference_mode():
+                    return m(dense, kjt)
+            return call
 
-        t = timed_calls(call, seconds)
-        rows.append({"batch": b, "calls": len(t), "rows_per_s": round(b * len(t) / sum(t)),
-                     "p50_ms": round(percentile(t, 50) * 1e3, 3), "p99_ms": round(percentile(t, 99) * 1e3, 3)})
-        log(f"raw forward B={b}: {rows[-1]['rows_per_s']:,} rows/s, p50 {rows[-1]['p50_ms']} ms")
+        models = {"": model, "unfused_": unfused, "eager_": eager}
+        models = {k: m for k, m in models.items() if m is not None}
+        times = {k: [] for k in models}
+        rounds = 2 if len(models) > 1 else 1
+        for r in range(rounds):  # the order alternates: the first one after a change of inputs is colder
+            for k, m in (list(models.items()) if r % 2 == 0 else list(models.items())[::-1]):
+                times[k] += timed_calls(caller(m), seconds / len(times) / rounds)
+        row = {"batch": b}
+        for k, t in times.items():
+            row.update({f"{k}calls": len(t), f"{k}rows_per_s": round(b * len(t) / sum(t)),
+                        f"{k}p50_ms": round(percentile(t, 50) * 1e3, 3), f"{k}p99_ms": round(percentile(t, 99) * 1e3, 3)})
+        msg = f"raw forward B={b}: {row['rows_per_s']:,} rows/s, p50 {row['p50_ms']} ms"
+        if unfused is not None:
+            row["fused_vs_unfused"] = round(row["rows_per_s"] / row["unfused_rows_per_s"], 3)
+            row["max_abs_logit_diff_vs_unfused"] = float((caller(model)() - caller(unfused)()).abs().max())
+            msg += (f"; unfused EmbeddingBagCollection {row['unfused_rows_per_s']:,} rows/s "
+                    f"(fused x{row['fused_vs_unfused']}, max |logit diff| {row['max_abs_logit_diff_vs_unfused']:.1e})")
+        if eager is not None:
+            row["frozen_vs_eager"] = round(row["rows_per_s"] / row["eager_rows_per_s"], 3)
+            row["frozen_equals_eager"] = bool(torch.equal(caller(model)(), caller(eager)()))
+            msg += (f"; dense parts not frozen {row['eager_rows_per_s']:,} rows/s (frozen x{row['frozen_vs_eager']}, "
+                    f"same logits: {row['frozen_equals_eager']})")
+        rows.append(row)
+        log(msg)
         if b == 1:
             # The same call with the core idle 2 ms in between, as at concurrency 1 where the
             # worker waits for each request: how much of that latency is a cache-cold forward.
+            call = caller(model)
+
             def paced():
                 time.sleep(0.002)
                 t0 = time.perf_counter()
@@ -160,66 +206,77 @@ def bench_handler(handler, cfg, seconds: float) -> list[dict]:
 
     out = []
     rng = random.Random(2)
-    for n_req in (1, 32):
-        for rows in (1, RANKING_ROWS):
-            bodies = [make_body(cfg, rng, rows) for _ in range(n_req)]
-            data = [{"body": b} for b in bodies]
-            ctx = _Context(".", None)
-            # Overhead from the same calls: handle()'s wall time less the forward phase that the
-            # handler itself timed in that call (no noise from pairing separate samples).
-            paired = []
+    for n_req, form in ((1, 1), (1, RANKING_ROWS), (1, RANKING), (32, 1), (32, RANKING_ROWS)):
+        rows = RANKING_ROWS if form == RANKING else form
+        bodies = [(make_ranking_body if form == RANKING else make_body)(cfg, rng, rows) for _ in range(n_req)]
+        data = [{"body": b} for b in bodies]
+        ctx = _Context(".", None)
+        # Overhead from the same calls: handle()'s wall time less the forward phase that the
+        # handler itself timed in that call (no noise from pairing separate samples).
+        paired = []
 
-            def handle_once():
-                t0 = time.perf_counter()
-                handler.handle(data, ctx)
-                wall = time.perf_counter() - t0
-                paired.append((wall, ctx.metrics.inference_ms / 1e3))
+        def handle_once():
+            t0 = time.perf_counter()
+            handler.handle(data, ctx)
+            wall = time.perf_counter() - t0
+            paired.append((wall, ctx.metrics.inference_ms / 1e3))
 
-            timed_calls(handle_once, seconds / 2, 400)
-            paired = paired[3:]  # timed_calls' warm-up calls
-            stage = {"parse": [], "collate": [], "forward": [], "respond": []}
+        timed_calls(handle_once, seconds / 2, 400)
+        paired = paired[3:]  # timed_calls' warm-up calls
+        stage = {"parse": [], "collate": [], "forward": [], "respond": []}
+        prep_share = []  # (parse + collate) / forward of each call
 
-            def staged_record():
-                t0 = time.perf_counter()
-                parsed = [handler.parser.parse(b) for b in bodies]
-                t1 = time.perf_counter()
-                batch, _ = collate(parsed, cfg, handler.device)
-                t2 = time.perf_counter()
-                s = scores(handler.model, batch, cfg)
-                t3 = time.perf_counter()
-                [response_body(x) for x in s]
-                t4 = time.perf_counter()
-                stage["parse"].append(t1 - t0)
-                stage["collate"].append(t2 - t1)
-                stage["forward"].append(t3 - t2)
-                stage["respond"].append(t4 - t3)
+        def staged_record():
+            t0 = time.perf_counter()
+            parsed = [handler.parser.parse(b) for b in bodies]
+            t1 = time.perf_counter()
+            batch, _ = collate(parsed, cfg, handler.device)
+            t2 = time.perf_counter()
+            s = scores(handler.model, batch, cfg)
+            t3 = time.perf_counter()
+            [response_body(x) for x in s]
+            t4 = time.perf_counter()
+            stage["parse"].append(t1 - t0)
+            stage["collate"].append(t2 - t1)
+            stage["forward"].append(t3 - t2)
+            stage["respond"].append(t4 - t3)
+            prep_share.append((t2 - t0) / (t3 - t2))
 
-            timed_calls(staged_record, seconds / 2, 400)
-            med = {k: statistics.median(v) * 1e6 for k, v in stage.items()}
-            total = statistics.median(w for w, _ in paired) * 1e6
-            share = statistics.median((w - f) / f for w, f in paired)
-            n_rows = n_req * rows
-            row = {
-                "requests": n_req, "rows_per_request": rows,
-                **{f"{k}_us_per_request": round(v / n_req, 1) for k, v in med.items()},
-                **{f"{k}_us_per_row": round(v / n_rows, 2) for k, v in med.items()},
-                "handle_us": round(total), "forward_us": round(med["forward"]),
-                "overhead_share_of_forward": round(share, 3),
-            }
-            out.append(row)
-            log(f"handler {n_req} x {rows} rows: handle {total:,.0f} us, forward {med['forward']:,.0f} us, "
-                f"parse {med['parse']:,.0f}, collate {med['collate']:,.0f}, respond {med['respond']:,.0f} us")
+        timed_calls(staged_record, seconds / 2, 400)
+        med = {k: statistics.median(v) * 1e6 for k, v in stage.items()}
+        total = statistics.median(w for w, _ in paired) * 1e6
+        share = statistics.median((w - f) / f for w, f in paired)
+        n_rows = n_req * rows
+        row = {
+            "requests": n_req, "rows_per_request": rows, "form": "ranking" if form == RANKING else "instances",
+            "body_bytes": round(statistics.mean(map(len, bodies))),
+            **{f"{k}_us_per_request": round(v / n_req, 1) for k, v in med.items()},
+            **{f"{k}_us_per_row": round(v / n_rows, 2) for k, v in med.items()},
+            "handle_us": round(total), "forward_us": round(med["forward"]),
+            "overhead_share_of_forward": round(share, 3),
+            "parse_collate_share_of_forward": round(statistics.median(prep_share), 3),
+        }
+        out.append(row)
+        log(f"handler {n_req} x {rows} rows ({row['form']}, {row['body_bytes']:,} B): handle {total:,.0f} us, forward {med['forward']:,.0f} us, "
+            f"parse {med['parse']:,.0f}, collate {med['collate']:,.0f}, respond {med['respond']:,.0f} us")
     return out
 
 
 # --- 3 + 4. served -------------------------------------------------------------------------------
 
 def build_archives(cfg_path: Path, store: Path) -> None:
-    """The DLRM archive, and an echo archive with the same TorchServe settings."""
+    """The DLRM archive (as configured), the same model with fp16 and int8 tables
+    (dlrm_fp16, dlrm_int8), and an echo archive with the same TorchServe settings."""
     import yaml
 
     subprocess.run([sys.executable, str(HERE / "build_mar.py"), "--config", str(cfg_path),
                     "--output-dir", str(store), "--force"], check=True)
+    for dtype in QUANTIZED:
+        doc = yaml.safe_load(cfg_path.read_text())
+        doc["handler"]["embedding_dtype"] = dtype
+        (store / f"config-{dtype}.yaml").write_text(yaml.safe_dump(doc))
+        subprocess.run([sys.executable, str(HERE / "build_mar.py"), "--config", str(store / f"config-{dtype}.yaml"),
+                        "--output-dir", str(store), "--model-name", f"dlrm_{dtype}", "--force"], check=True)
     doc = yaml.safe_load(cfg_path.read_text())
     doc.pop("handler", None)
     echo_cfg = store / "echo-config.yaml"
@@ -231,57 +288,61 @@ def build_archives(cfg_path: Path, store: Path) -> None:
                    env={**os.environ, "TMPDIR": str(store)})
 
 
-def bench_served(srv: Server, model: str, bodies: dict, duration: float, profile_to: Path | None = None) -> list[dict]:
-    """Each (rows per request, concurrency) point; with ``profile_to``, py-spy samples the
-    worker during the single-row, highest-concurrency point."""
+def bench_served(srv: Server, model: str, bodies: dict, duration: float, profile_to: Path | None = None,
+                 points: list | None = None) -> list[dict]:
+    """Each (request kind, concurrency) point, by default every kind in ``bodies`` (1 and
+    RANKING_ROWS: instances; RANKING: the ranking form) at every concurrency; with
+    ``profile_to``, py-spy samples the worker during the single-row c=1 and c=64 points."""
     out = []
-    for rows, pool in bodies.items():
-        for c in CONCURRENCY:
-            url = f"{srv.url}/predictions/{model}"
-            errors = [0]
+    for kind, c in points or [(k, c) for k in bodies for c in CONCURRENCY]:
+        pool = bodies[kind]
+        rows = RANKING_ROWS if kind == RANKING else kind
+        url = f"{srv.url}/predictions/{model}"
+        errors = [0]
 
-            def next_request(i, pool=pool):
-                def check(status, _answer):
-                    if status != 200:
-                        errors[0] += 1
-                return pool[i % len(pool)], check
+        def next_request(i, pool=pool):
+            def check(status, _answer):
+                if status != 200:
+                    errors[0] += 1
+            return pool[i % len(pool)], check
 
-            # warm-up, then the measured run
-            asyncio.run(run_load(url, next_request, c, min(2.0, duration), 100_000))
-            spy = None
-            raw_profile = None
-            if profile_to and rows == 1 and c in (CONCURRENCY[0], CONCURRENCY[-1]):
-                raw_profile = profile_to.with_name(f"{profile_to.stem}-c{c}.raw")
-                spy = start_profile(srv.worker_pids(model)[0], duration, raw_profile)
-            procs = {"frontend": [frontend_pid(srv)], "worker": srv.worker_pids(model)}
-            batches0 = (metric_value(srv, "dlrm_batches_total"), metric_value(srv, "dlrm_requests_total"))
-            cpu0 = {k: cpu_seconds(v) for k, v in procs.items()}
-            res = asyncio.run(run_load(url, next_request, c, duration, 2_000_000))
-            cpu = {k: cpu_seconds(v) - cpu0[k] for k, v in procs.items()}
-            batches = metric_value(srv, "dlrm_batches_total") - batches0[0]
-            per_batch = (metric_value(srv, "dlrm_requests_total") - batches0[1]) / batches if batches else None
-            if spy:
-                spy.wait(timeout=60)
-                summarise_profile(raw_profile)
-            errs = errors[0] + res.transport_errors
-            row = {
-                "model": model, "rows_per_request": rows, "concurrency": c,
-                "requests": res.answered, "requests_per_s": round(res.answered / res.wall_s, 1),
-                "rows_per_s": round(res.answered * rows / res.wall_s),
-                "p50_ms": round(res.percentile(50), 2), "p90_ms": round(res.percentile(90), 2),
-                "p99_ms": round(res.percentile(99), 2), "errors": errs,
-                "client_cpu_share": round(res.client_cpu_s / res.wall_s, 2),
-                # CPU time per answered request: where the two cores go
-                "frontend_cpu_us_per_request": round(cpu["frontend"] / max(1, res.answered) * 1e6),
-                "worker_cpu_us_per_request": round(cpu["worker"] / max(1, res.answered) * 1e6),
-                # from the handler's own metrics (dlrm only): is TorchServe batching?
-                "requests_per_batch": round(per_batch, 1) if per_batch else None,
-            }
-            out.append(row)
-            log(f"{model} {rows}-row requests, c={c}: {row['requests_per_s']:,} req/s, {row['rows_per_s']:,} rows/s, "
-                f"p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms, errors {errs}, CPU us/request: frontend "
-                f"{row['frontend_cpu_us_per_request']}, worker {row['worker_cpu_us_per_request']}, "
-                f"client {row['client_cpu_share']} cores")
+        # warm-up, then the measured run
+        asyncio.run(run_load(url, next_request, c, min(2.0, duration), 100_000))
+        spy = None
+        raw_profile = None
+        if profile_to and rows == 1 and c in (CONCURRENCY[0], CONCURRENCY[-1]):
+            raw_profile = profile_to.with_name(f"{profile_to.stem}-c{c}.raw")
+            spy = start_profile(srv.worker_pids(model)[0], duration, raw_profile)
+        procs = {"frontend": [frontend_pid(srv)], "worker": srv.worker_pids(model)}
+        batches0 = (metric_value(srv, model, "dlrm_batches_total"), metric_value(srv, model, "dlrm_requests_total"))
+        cpu0 = {k: cpu_seconds(v) for k, v in procs.items()}
+        res = asyncio.run(run_load(url, next_request, c, duration, 2_000_000))
+        cpu = {k: cpu_seconds(v) - cpu0[k] for k, v in procs.items()}
+        batches = metric_value(srv, model, "dlrm_batches_total") - batches0[0]
+        per_batch = (metric_value(srv, model, "dlrm_requests_total") - batches0[1]) / batches if batches else None
+        if spy:
+            spy.wait(timeout=60)
+            summarise_profile(raw_profile)
+        errs = errors[0] + res.transport_errors
+        row = {
+            "model": model, "rows_per_request": rows, "form": "ranking" if kind == RANKING else "instances",
+            "concurrency": c,
+            "requests": res.answered, "requests_per_s": round(res.answered / res.wall_s, 1),
+            "rows_per_s": round(res.answered * rows / res.wall_s),
+            "p50_ms": round(res.percentile(50), 2), "p90_ms": round(res.percentile(90), 2),
+            "p99_ms": round(res.percentile(99), 2), "errors": errs,
+            "client_cpu_share": round(res.client_cpu_s / res.wall_s, 2),
+            # CPU time per answered request: where the two cores go
+            "frontend_cpu_us_per_request": round(cpu["frontend"] / max(1, res.answered) * 1e6),
+            "worker_cpu_us_per_request": round(cpu["worker"] / max(1, res.answered) * 1e6),
+            # from the handler's own metrics (dlrm only): is TorchServe batching?
+            "requests_per_batch": round(per_batch, 1) if per_batch else None,
+        }
+        out.append(row)
+        log(f"{model} {rows}-row {row['form']} requests, c={c}: {row['requests_per_s']:,} req/s, {row['rows_per_s']:,} rows/s, "
+            f"p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms, errors {errs}, CPU us/request: frontend "
+            f"{row['frontend_cpu_us_per_request']}, worker {row['worker_cpu_us_per_request']}, "
+            f"client {row['client_cpu_share']} cores")
     return out
 
 
@@ -333,12 +394,12 @@ def bench_v2(srv: Server, cfg, rng, duration: float, concurrency: int = 16) -> l
     return out
 
 
-def metric_value(srv: Server, name: str) -> float:
-    """A counter from TorchServe's Prometheus text (0 if absent, e.g. for the echo model)."""
+def metric_value(srv: Server, model: str, name: str) -> float:
+    """A model's counter from TorchServe's Prometheus text (0 if absent, e.g. for echo)."""
     import re
 
     _, body, _ = get(f"{srv.metrics_url}/metrics")
-    m = re.search(rf"^{name}{{[^}}]*}} ([0-9.eE+-]+)$", body.decode(), re.M)
+    m = re.search(rf'^{name}{{[^}}]*ModelName="{model}"[^}}]*}} ([0-9.eE+-]+)$', body.decode(), re.M)
     return float(m.group(1)) if m else 0.0
 
 
@@ -387,28 +448,34 @@ def summarise_profile(raw: Path, top: int = 30) -> None:
 # --- report --------------------------------------------------------------------------------------
 
 def targets(raw, handler_rows, served) -> list[dict]:
+    """The issue's targets, each a ratio of this run's own figures."""
     def find(rows, **kw):
-        return next(r for r in rows if all(r[k] == v for k, v in kw.items()))
+        return next(r for r in rows if all(r.get(k) == v for k, v in kw.items()))
 
-    raw128, raw1 = find(raw, batch=RANKING_ROWS), find(raw, batch=1)
-    rank = find(served, model="dlrm", rows_per_request=RANKING_ROWS, concurrency=16)
-    single64 = find(served, model="dlrm", rows_per_request=1, concurrency=64)
-    echo64 = find(served, model="echo", rows_per_request=1, concurrency=64)
-    single1 = find(served, model="dlrm", rows_per_request=1, concurrency=1)
-    echo1 = find(served, model="echo", rows_per_request=1, concurrency=1)
-    h32 = find(handler_rows, requests=32, rows_per_request=1)
-    return [
-        {"target": "ranking (128-row) requests at c=16: served rows/s >= 0.5 x raw forward rows/s at B=128",
-         "value": round(rank["rows_per_s"] / raw128["rows_per_s"], 3), "bound": 0.5, "higher_is_better": True},
-        {"target": "single-row requests at c=64: served req/s >= 0.85 x echo ceiling",
-         "value": round(single64["requests_per_s"] / echo64["requests_per_s"], 3), "bound": 0.85,
-         "higher_is_better": True},
-        {"target": "c=1 single row: p50 <= 1.5 x (echo p50 + raw forward p50 at B=1)",
-         "value": round(single1["p50_ms"] / (echo1["p50_ms"] + raw1["p50_ms"]), 3), "bound": 1.5,
+    raw128, raw32, raw1 = (find(raw, batch=b) for b in (RANKING_ROWS, 32, 1))
+    single1, single64 = (find(served, model="dlrm", rows_per_request=1, concurrency=c) for c in (1, 64))
+    echo1, echo64 = (find(served, model="echo", rows_per_request=1, concurrency=c) for c in (1, 64))
+    composed = 1 / (1 / echo64["requests_per_s"] + 1 / raw32["rows_per_s"])
+    out = [
+        {"target": "c=1 single row: p50 <= 1.2 x (echo p50 + raw forward p50 at B=1, paced 2 ms)",
+         "value": round(single1["p50_ms"] / (echo1["p50_ms"] + raw1["paced_2ms_p50_ms"]), 3), "bound": 1.2,
          "higher_is_better": False},
-        {"target": "in-process overhead (all but forward) <= 25% of forward, 32 single-row requests",
-         "value": h32["overhead_share_of_forward"], "bound": 0.25, "higher_is_better": False},
+        {"target": f"single-row c=64: served req/s >= 0.85 x 1 / (1/echo c=64 req/s + 1/raw rows/s at B=32) "
+                   f"(= {composed:,.0f} req/s)",
+         "value": round(single64["requests_per_s"] / composed, 3), "bound": 0.85, "higher_is_better": True},
     ]
+    for form in ("ranking", "instances"):
+        rank = find(served, model="dlrm", rows_per_request=RANKING_ROWS, form=form, concurrency=16)
+        out.append({"target": f"ranking (128 rows, {form} form) c=16: served rows/s >= 0.75 x raw forward rows/s at B=128",
+                    "value": round(rank["rows_per_s"] / raw128["rows_per_s"], 3), "bound": 0.75, "higher_is_better": True})
+    for form in ("ranking", "instances"):
+        h = find(handler_rows, requests=1, rows_per_request=RANKING_ROWS, form=form)
+        out.append({"target": f"parse + collate of one 128-row request ({form} form) <= 0.10 x its forward",
+                    "value": h["parse_collate_share_of_forward"], "bound": 0.10, "higher_is_better": False})
+    out.append({"target": "raw fp32 forward rows/s at B=32, fused kernel >= 1.3 x unfused EmbeddingBagCollection",
+                "value": raw32.get("fused_vs_unfused"), "bound": 1.3, "higher_is_better": True})
+    out[-1]["target"] += " (served model: also jit-frozen dense parts)"
+    return out
 
 
 def markdown(report) -> str:
@@ -416,24 +483,35 @@ def markdown(report) -> str:
     lines = [f"Machine: {m['cpus']} CPUs ({m['processor']}), torch {m['torch']}, {m['torch_threads']} torch threads; "
              f"config `{report['config']}`; TorchServe batchSize {report['torchserve']['batchSize']}, "
              f"maxBatchDelay {report['torchserve']['maxBatchDelay']} ms, {report['torchserve']['workers']} worker(s).", ""]
-    lines += ["**1. Raw forward**", "", "| batch | rows/s | p50 ms | p99 ms |", "|---:|---:|---:|---:|"]
-    lines += [f"| {r['batch']} | {r['rows_per_s']:,} | {r['p50_ms']} | {r['p99_ms']} |" for r in report["raw_forward"]]
+    lines += ["**1. Raw forward** (the model as served: fp32 tables in fbgemm's fused kernel, dense and over "
+              "arch jit-frozen; beside it the previous path, torchrec's unfused nn.EmbeddingBag collection "
+              "in an eager model, and the served model with its dense parts not frozen: same weights and "
+              "inputs, interleaved)", "",
+              "| batch | rows/s | p50 ms | p99 ms | unfused rows/s | unfused p50 ms | served / unfused | max abs logit diff "
+              "| not frozen rows/s | frozen / not frozen | same logits |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines += [f"| {r['batch']} | {r['rows_per_s']:,} | {r['p50_ms']} | {r['p99_ms']} | {r.get('unfused_rows_per_s', 0):,} | "
+              f"{r.get('unfused_p50_ms', '')} | {r.get('fused_vs_unfused', '')} | {r.get('max_abs_logit_diff_vs_unfused', 0):.1e} "
+              f"| {r.get('eager_rows_per_s', 0):,} | {r.get('frozen_vs_eager', '')} | {r.get('frozen_equals_eager', '')} |"
+              for r in report["raw_forward"]]
     paced = report["raw_forward"][0].get("paced_2ms_p50_ms")
     if paced:
         lines += ["", f"Batch 1 with the core idle 2 ms between calls (as at concurrency 1): p50 {paced} ms."]
-    lines += ["", "**2. Handler in-process** (µs per request; forward share in the last column)", "",
-              "| requests x rows | parse | collate | forward | respond | handle() total µs | overhead / forward |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += ["", "**2. Handler in-process** (µs per request; shares of the forward in the last columns)", "",
+              "| requests x rows (form, body bytes) | parse | collate | forward | respond | handle() total µs | "
+              "overhead / forward | parse + collate / forward |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["handler"]:
-        lines.append(f"| {r['requests']} x {r['rows_per_request']} | {r['parse_us_per_request']} | "
+        lines.append(f"| {r['requests']} x {r['rows_per_request']} ({r['form']}, {r['body_bytes']:,} B) | "
+                     f"{r['parse_us_per_request']} | "
                      f"{r['collate_us_per_request']} | {r['forward_us_per_request']} | {r['respond_us_per_request']} | "
-                     f"{r['handle_us']:,} | {r['overhead_share_of_forward']:.0%} |")
+                     f"{r['handle_us']:,} | {r['overhead_share_of_forward']:.0%} | {r['parse_collate_share_of_forward']:.1%} |")
     lines += ["", "**3-4. Served** (DLRM handler vs echo handler, same TorchServe settings)", "",
-              "| model | rows/request | concurrency | req/s | rows/s | p50 ms | p90 ms | p99 ms | errors | "
+              "| model | rows/request (form) | concurrency | req/s | rows/s | p50 ms | p90 ms | p99 ms | errors | "
               "CPU µs/request: frontend | worker | client CPU (cores) | requests/batch |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["served"]:
-        lines.append(f"| {r['model']} | {r['rows_per_request']} | {r['concurrency']} | {r['requests_per_s']:,} | "
+        lines.append(f"| {r['model']} | {r['rows_per_request']} ({r['form']}) | {r['concurrency']} | {r['requests_per_s']:,} | "
                      f"{r['rows_per_s']:,} | {r['p50_ms']} | {r['p90_ms']} | {r['p99_ms']} | {r['errors']} | "
                      f"{r['frontend_cpu_us_per_request']} | {r['worker_cpu_us_per_request']} | {r['client_cpu_share']} | "
                      f"{r['requests_per_batch'] or ''} |")
@@ -467,11 +545,14 @@ def plot(report, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     raw = report["raw_forward"]
-    axes[0].plot([r["batch"] for r in raw], [r["rows_per_s"] for r in raw], "o-", label="raw forward")
-    for rows, style in ((1, "s--"), (RANKING_ROWS, "^--")):
-        pts = [r for r in report["served"] if r["model"] == "dlrm" and r["rows_per_request"] == rows]
+    axes[0].plot([r["batch"] for r in raw], [r["rows_per_s"] for r in raw], "o-", label="raw forward (fused)")
+    if "unfused_rows_per_s" in raw[0]:
+        axes[0].plot([r["batch"] for r in raw], [r["unfused_rows_per_s"] for r in raw], "o:",
+                     label="raw forward (unfused nn.EmbeddingBag)")
+    for rows, form, style in ((1, "instances", "s--"), (RANKING_ROWS, "instances", "^--"), (RANKING_ROWS, "ranking", "v--")):
+        pts = [r for r in report["served"] if r["model"] == "dlrm" and r["rows_per_request"] == rows and r["form"] == form]
         axes[0].plot([r["concurrency"] * rows for r in pts], [r["rows_per_s"] for r in pts], style,
-                     label=f"served, {rows}-row requests (x: rows in flight)")
+                     label=f"served, {rows}-row {form} requests (x: rows in flight)")
     axes[0].set(xscale="log", xlabel="batch (rows)", ylabel="rows/s", title="Rows per second")
     axes[0].legend(fontsize=8)
     for ax, key, title in ((axes[1], "requests_per_s", "Requests/s, single-row"), (axes[2], "p99_ms", "p99 latency (ms), single-row")):
@@ -496,6 +577,7 @@ def main() -> int:
     import yaml
 
     from dlrm_config import DLRMConfig
+    from dlrm_factory import DLRMFactory
     from dlrm_handler import TorchRecDLRMHandler
 
     out = Path(args.out)
@@ -514,24 +596,33 @@ def main() -> int:
         subprocess.run(["unzip", "-q", "-o", str(store / "dlrm.mar"), "dlrm.pt", "-d", str(tmp / "model")], check=True)
         handler = TorchRecDLRMHandler()
         handler.initialize(_Context(tmp / "model", ts_doc["handler"]))
-        raw = bench_raw(handler.model, cfg, args.raw_seconds)
+        unfused = DLRMFactory(cfg).random()  # the archive's weights: build_mar.py draws them from the seed
+        eager = DLRMFactory(cfg).load(tmp / "model" / "dlrm.pt")  # as served, dense parts not frozen
+        raw = bench_raw(handler.model, cfg, args.raw_seconds, unfused, eager)
+        del unfused, eager
         handler_rows = bench_handler(handler, cfg, args.raw_seconds * 2)
         threads = torch.get_num_threads()
         del handler
 
         rng = random.Random(3)
         bodies = {1: [make_body(cfg, rng, 1) for _ in range(256)],
-                  RANKING_ROWS: [make_body(cfg, rng, RANKING_ROWS) for _ in range(16)]}
-        srv = Server.on_free_ports(tmp / "home", model_store=store, overrides={"load_models": "dlrm=dlrm.mar,echo=echo.mar"})
+                  RANKING_ROWS: [make_body(cfg, rng, RANKING_ROWS) for _ in range(16)],
+                  RANKING: [make_ranking_body(cfg, rng, RANKING_ROWS) for _ in range(16)]}
+        models = ["dlrm", *(f"dlrm_{d}" for d in QUANTIZED), "echo"]
+        srv = Server.on_free_ports(tmp / "home", model_store=store,
+                                   overrides={"load_models": ",".join(f"{m}={m}.mar" for m in models)})
         log(f"starting TorchServe (logs in {srv.log_dir})")
         srv.start()
         try:
-            srv.wait_ready("dlrm", bodies[1][0], timeout=600)
-            srv.wait_ready("echo", bodies[1][0], timeout=120)
-            status, _, _ = post(f"{srv.url}/predictions/dlrm", bodies[RANKING_ROWS][0])
-            assert status == 200, status
+            for m in models:
+                srv.wait_ready(m, bodies[1][0], timeout=600)
+            for kind in (RANKING_ROWS, RANKING):
+                status, _, _ = post(f"{srv.url}/predictions/dlrm", bodies[kind][0])
+                assert status == 200, status
             served = bench_served(srv, "dlrm", bodies, args.duration, out / "profile-worker")
-            served += bench_served(srv, "echo", bodies, args.duration)
+            for dtype in QUANTIZED:
+                served += bench_served(srv, f"dlrm_{dtype}", bodies, args.duration, points=[(1, 64), (RANKING, 16)])
+            served += bench_served(srv, "echo", {k: bodies[k] for k in (1, RANKING_ROWS)}, args.duration)
             kserve_v2 = bench_v2(srv, cfg, rng, args.duration)
         finally:
             srv.stop()

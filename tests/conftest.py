@@ -55,8 +55,17 @@ def model(config):
 
 @pytest.fixture(scope="session")
 def weights(tmp_path_factory, model) -> Path:
+    """The tiny model's fp32 state_dict: a trained checkpoint (build_mar.py --checkpoint)."""
     path = tmp_path_factory.mktemp("weights") / "dlrm.pt"
     torch.save(model.state_dict(), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def archived(tmp_path_factory, model, config) -> Path:
+    """The tiny model as build_mar.py archives it (tables as the fused kernel's rows)."""
+    path = tmp_path_factory.mktemp("archived") / "dlrm.pt"
+    torch.save(DLRMFactory(config).archive_state(model), path)
     return path
 
 
@@ -122,11 +131,11 @@ class FakeContext:
 
 
 @pytest.fixture
-def handler(tmp_path, weights):
+def handler(tmp_path, archived):
     """An initialized handler over the tiny model's weights."""
     from dlrm_handler import TorchRecDLRMHandler
 
-    (tmp_path / "dlrm.pt").symlink_to(weights)
+    (tmp_path / "dlrm.pt").symlink_to(archived)
     h = TorchRecDLRMHandler()
     h.initialize(FakeContext(tmp_path, dict(TINY)))
     return h

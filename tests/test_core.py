@@ -188,3 +188,43 @@ def test_columnar_out_of_range_id_names_its_position(config):
     batch, errors = collate([col], config)
     assert batch is None
     assert errors[0].message.startswith("feature_2.values[1]: id 40 is out of range for feature 'feature_2'")
+
+
+# --- the ranking form: {"context": {...}, "candidates": [...]} ---------------------------------
+
+def test_ranking_form_scores_exactly_as_the_same_instances(parser, model, config):
+    """Each candidate's row is the context plus its own features: the same KJT, so the same
+    scores bit for bit, whether the candidates share one key list (the vectorised path) or not."""
+    ctx = {"dense": DENSE, "sparse": {"keys": ["feature_2"], "values": [5, 6], "lengths": [2]}}
+    shared = [{"sparse": {"keys": ["feature_1", "feature_0"], "values": [i, 2 * i, i + 1], "lengths": [1, 2]}}
+              for i in range(6)]
+    mixed = shared[:2] + [{"sparse": {"keys": ["feature_0"], "values": [9], "lengths": [1]}}, {}]
+    for cands in (shared, mixed):
+        rows = []
+        for c in cands:
+            s = c.get("sparse", {"keys": [], "values": [], "lengths": []})
+            rows.append({"dense": DENSE, "sparse": {"keys": s["keys"] + ["feature_2"], "values": s["values"] + [5, 6],
+                                                    "lengths": s["lengths"] + [2]}})
+        want = run(parser, model, config, [body({"instances": rows})])[0]
+        got = run(parser, model, config, [body({"context": ctx, "candidates": cands})])[0]
+        assert got == want and len(set(got)) == len(set(map(json.dumps, cands)))
+
+
+def test_ranking_form_with_dense_per_candidate_and_in_a_mixed_batch(parser, model, config):
+    cands = [{"dense": [float(i)] * 5, "sparse": {"keys": ["feature_0"], "values": [i], "lengths": [1]}} for i in range(3)]
+    ctx = {"sparse": {"keys": ["feature_1"], "values": [4], "lengths": [1]}}
+    rows = [instance(c["dense"], feature_0=[i], feature_1=[4]) for i, c in enumerate(cands)]
+    single = body(instance(DENSE, feature_2=[1]))
+    got = run(parser, model, config, [single, body({"context": ctx, "candidates": cands}), single])
+    assert got == run(parser, model, config, [single, body({"instances": rows}), single])  # same batch: exact
+    assert got[0] == got[2] and len(got[1]) == 3
+
+
+def test_many_instances_with_one_key_list_parse_as_row_by_row(parser, model, config):
+    """The vectorised path (one key list) and the row-by-row path (key orders differ) agree."""
+    same = [instance([i / 7] * 5, feature_0=[i % 20], feature_1=[i % 30, 1], feature_2=[]) for i in range(8)]
+    reordered = [instance(r["dense"], feature_2=[], feature_1=[i % 30, 1], feature_0=[i % 20]) if i % 2 else r
+                 for i, r in enumerate(same)]
+    a, b = (parser.parse(body({"instances": x})) for x in (same, reordered))
+    assert isinstance(a.values, np.ndarray) and isinstance(b.values, list)
+    assert run(parser, model, config, [body({"instances": same})]) == run(parser, model, config, [body({"instances": reordered})])

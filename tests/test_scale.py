@@ -60,7 +60,26 @@ def test_quantized_archive_loads_exactly_torchrec_quantized_model(tmp_path, mode
     assert not torch.equal(got, fp32)  # it really is the quantized kernel
 
 
-@pytest.mark.parametrize("dtype", QUANTIZED)
+def test_fp32_tables_run_in_the_fused_kernel_and_score_as_nn_embedding_bag(tmp_path, model):
+    """fp32 goes through fbgemm's table-batched kernel like the quantized dtypes; its scores
+    equal the nn.EmbeddingBag model's (within 1e-6: the same sums in another order)."""
+    loaded = DLRMFactory(tiny_config()).load(archive(tmp_path, model, "fp32"))
+    assert type(loaded.sparse_arch.embedding_bag_collection).__module__ == "torchrec.quant.embedding_modules"
+    for seed in (1, 2):
+        dense, kjt = batch(seed=seed)
+        assert (forward(loaded, dense, kjt) - forward(model, dense, kjt)).abs().max() <= 1e-6
+
+
+def test_unfused_fp32_archive_still_loads_with_a_warning_to_rebuild(tmp_path, model, caplog):
+    """An archive built before fp32 went through the fused kernel (nn.EmbeddingBag weights)
+    scores the same, copied into the worker; the log says to rebuild it to share pages."""
+    loaded = DLRMFactory(tiny_config()).load(_unfused_fp32(tmp_path, model))
+    assert "rebuild the archive with scripts/build_mar.py" in caplog.text
+    dense, kjt = batch()
+    assert (forward(loaded, dense, kjt) - forward(model, dense, kjt)).abs().max() <= 1e-6
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED + ["fp32"])
 def test_quantized_tables_are_the_archive_pages(tmp_path, model, dtype):
     """No copy: the kernel reads the memory-mapped archive file itself (shared across workers)."""
     path = archive(tmp_path, model, dtype)
@@ -117,15 +136,14 @@ def test_build_mar_quantizes_a_checkpoint(tmp_path, model, weights):
 
 # --- sharding on CPU "devices" ----------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype,world", [(d, w) for d in ["int8", "fp16", "int4", "fp32"] for w in [1, 2, 4]
-                                         if (d, w) != ("fp32", 1)])  # one fp32 device: nn.EmbeddingBag, no sharder
+@pytest.mark.parametrize("dtype,world", [(d, w) for d in ["int8", "fp16", "int4", "fp32"] for w in [1, 2, 4]])
 def test_cpu_sharding_places_every_table_and_matches_unsharded(tmp_path, model, dtype, world):
     """torchrec's planner + sharded quantized EBC in one process on CPU: the same code the
     multi-GPU worker runs. Every table placed table-wise, scores bit-identical."""
     cfg = tiny_config(embedding_dtype=dtype)
-    path = archive(tmp_path, model, dtype) if dtype != "fp32" else _fp32(tmp_path, model)
+    path = archive(tmp_path, model, dtype)
     dense, kjt = batch()
-    unsharded = forward(DLRMFactory(cfg).load(path) if dtype != "fp32" else model, dense, kjt)
+    unsharded = forward(DLRMFactory(cfg).load(path), dense, kjt)
     if world == 1:  # the factory never shards one device; drive the sharder directly
         sharded, plan = shard(DLRMFactory(cfg).load(path), [torch.device("cpu")])
     else:
@@ -146,7 +164,8 @@ def test_cpu_sharding_spreads_tables_over_ranks(model, tmp_path):
     assert ranks == {0, 1}
 
 
-def _fp32(tmp_path, model) -> Path:
+def _unfused_fp32(tmp_path, model) -> Path:
+    """An fp32 archive as built before the fused kernel: the nn.EmbeddingBag state_dict."""
     path = tmp_path / "fp32.pt"
     torch.save(model.state_dict(), path)
     return path
@@ -175,10 +194,7 @@ def layout_handler(request, tmp_path, model):
 
     dtype = request.param.split("-")[-1]
     section = {**TINY, "embedding_dtype": dtype}
-    if dtype == "fp32":
-        _fp32(tmp_path, model).rename(tmp_path / "dlrm.pt")
-    else:
-        archive(tmp_path, model, dtype).rename(tmp_path / "dlrm.pt")
+    archive(tmp_path, model, dtype).rename(tmp_path / "dlrm.pt")
     h = TorchRecDLRMHandler()
     h.initialize(FakeContext(tmp_path, section))
     if request.param.startswith("sharded"):
@@ -335,10 +351,10 @@ def test_quantized_model_on_one_gpu_matches_cpu(tmp_path, model, dtype):
 @gpus(2)
 @pytest.mark.parametrize("dtype", ["int8", "fp16", "fp32"])
 def test_tables_sharded_over_two_gpus_match_cpu(tmp_path, model, dtype):
-    path = archive(tmp_path, model, dtype) if dtype != "fp32" else _fp32(tmp_path, model)
+    path = archive(tmp_path, model, dtype)
     cfg = tiny_config(embedding_dtype=dtype)
     dense, kjt = batch()
-    want = forward(DLRMFactory(cfg).load(path) if dtype != "fp32" else model, dense, kjt)
+    want = forward(DLRMFactory(cfg).load(path), dense, kjt)
     sharded = DLRMFactory(cfg).load(path, ["cuda:0", "cuda:1"])
     assert set(map(str, sharded_placement(sharded).values())) == {"cuda:0", "cuda:1"}
     assert next(sharded.over_arch.parameters()).device == torch.device("cuda:0")
@@ -361,3 +377,8 @@ def test_handler_given_two_gpus_shards_and_still_checks_ids(tmp_path, model):
     out, c = call(h, [body(instance(DENSE, feature_0=[20])), body(instance(DENSE, feature_0=[19], feature_2=[39]))],
                   section)
     assert c.statuses == {0: (400, "Bad Request")} and 0 < json.loads(out[1])["score"] < 1
+
+
+def test_archive_of_another_dtype_names_the_dtype(tmp_path, model):
+    with pytest.raises(ConfigError, match="another handler.embedding_dtype than fp32"):
+        DLRMFactory(tiny_config()).load(archive(tmp_path, model, "int8"))

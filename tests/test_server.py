@@ -88,6 +88,18 @@ def test_sample_requests_answer(server):
         assert headers["content-type"] == "application/json"
 
 
+def test_ranking_form_scores_as_the_same_instances(server):
+    ranking = json.loads((SAMPLES / "ranking.json").read_bytes())
+    ctx = ranking["context"]
+    rows = [{"dense": ctx["dense"], "sparse": {k: ctx["sparse"][k] + c["sparse"][k] for k in ("keys", "values", "lengths")}}
+            for c in ranking["candidates"]]
+    status, got, _ = predict(server, (SAMPLES / "ranking.json").read_bytes())
+    assert status == 200 and len(got["scores"]) == 3
+    assert got == predict(server, json.dumps({"instances": rows}).encode())[1]
+    status, answer, _ = predict(server, (SAMPLES / "malformed" / "ranking_feature_twice.json").read_bytes())
+    assert status == 400 and answer["message"].startswith('candidates[0].sparse.keys[0]: feature "feature_1" is also in')
+
+
 def test_any_content_type_carrying_json_works(server):
     raw = (SAMPLES / "seed_single.json").read_bytes()
     want = predict(server, raw)[1]

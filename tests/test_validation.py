@@ -25,6 +25,21 @@ def with_sparse(**sparse):
     return js({"dense": DENSE, "sparse": {"keys": ["feature_0"], "values": [1], "lengths": [1], **sparse}})
 
 
+def ranking(cands, ctx_sparse=None, cand_dense=None) -> dict:
+    """A ranking-form request: context dense (and ``ctx_sparse`` bags), one candidate per
+    bags dict in ``cands`` (``cand_dense``: the dense every candidate sends too)."""
+    ctx = instance(DENSE, **(ctx_sparse or {}))
+    if not ctx_sparse:
+        del ctx["sparse"]
+    out = []
+    for bags in cands:
+        c = instance(cand_dense or [], **bags)
+        if cand_dense is None:
+            del c["dense"]
+        out.append(c)
+    return {"context": ctx, "candidates": out}
+
+
 # (case, body, status, the message starts with, and contains)
 CASES = [
     ("not json", b"dense=1", 400, "body:", "malformed JSON"),
@@ -96,6 +111,35 @@ CASES = [
     ("criteo float count", js({"float_features": [1], "id_list_features.lengths": [0, 0, 0], "id_list_features.values": []}), 400, "float_features:", "expected 5 numbers, got 1"),
     ("criteo bad id", js({"float_features": DENSE, "id_list_features.lengths": [0, 1, 1], "id_list_features.values": [3, 40]}), 400, "id_list_features.values[1]:", "id 40 is out of range for feature 'feature_2'"),
     ("mixed forms", js({**OK, "float_features": DENSE}), 400, "dense:", "not both"),
+    # the ranking form: {"context": {...}, "candidates": [...]}
+    ("feature in context and candidate", js(ranking(ctx_sparse={"feature_1": [2]},
+                                                    cands=[{"feature_0": [1]}, {"feature_1": [3], "feature_2": [4]}])),
+     400, "candidates[1].sparse.keys[0]:", 'feature "feature_1" is also in context.sparse.keys'),
+    ("feature in context and all candidates", js(ranking(ctx_sparse={"feature_1": [2]},
+                                                         cands=[{"feature_2": [1], "feature_1": [2]}] * 3)),
+     400, "candidates[0].sparse.keys[1]:", 'feature "feature_1" is also in context.sparse.keys'),
+    ("dense in context and candidate", js(ranking(cands=[{"feature_0": [1]}, {"feature_0": [1]}], cand_dense=[1])),
+     400, "candidates[0].dense:", "context.dense is given already"),
+    ("dense nowhere", js({"context": {}, "candidates": [instance(DENSE, feature_0=[1]), {"sparse": OK["sparse"]}]}),
+     400, "candidates[1].dense:", "required field is missing"),
+    ("context dense count", js({"context": {"dense": [1]}, "candidates": [{}]}), 400, "context.dense:", "expected 5 numbers, got 1"),
+    ("context missing", js({"candidates": [OK]}), 400, "context:", "required field is missing"),
+    ("candidates missing", js({"context": OK}), 400, "candidates:", "required field is missing"),
+    ("no candidates", js({"context": OK, "candidates": []}), 400, "candidates:", "non-empty"),
+    ("ranking beside row fields", js({**OK, "context": {}, "candidates": [{}]}), 400, "context:", "no other top-level"),
+    ("candidate negative id", js(ranking(cands=[{"feature_0": [1]}, {"feature_0": [-1]}])), 400,
+     "candidates[1].sparse.values[0]:", "expected a non-negative integer, got -1"),
+    ("candidate id out of range", js(ranking(cands=[{"feature_0": [1]}, {"feature_0": [2, 20]}])), 400,
+     "candidates[1].sparse.values[1]:", "id 20 is out of range for feature 'feature_0'"),
+    ("context id out of range", js(ranking(ctx_sparse={"feature_2": [4, 40]}, cands=[{"feature_0": [1]}] * 2)), 400,
+     "context.sparse.values[1]:", "id 40 is out of range for feature 'feature_2'"),
+    ("candidate criteo form", js({"context": {"dense": DENSE}, "candidates": [{"float_features": DENSE}]}), 400,
+     "candidates[0].float_features:", "the ranking form takes dense and sparse"),
+    ("candidate unknown field", js({"context": {"dense": DENSE}, "candidates": [{"sprase": {}}]}), 400,
+     "candidates[0].sprase:", "unknown field"),
+    ("too many candidates", js(ranking(cands=[{"feature_0": [1]}] * 9)), 413, "candidates:", "at most 8 instances"),
+    ("too many ids via the context", js(ranking(ctx_sparse={"feature_2": [1] * 10}, cands=[{"feature_0": [1]}] * 6)),
+     413, "sparse.values:", "at most 64 ids per request"),
 ]
 
 
@@ -198,3 +242,19 @@ def test_near_valid_requests(value):
 @given(st.binary(max_size=200))
 def test_any_bytes(raw):
     _accepts_or_refuses(raw)
+
+
+@pytest.mark.parametrize("case,raw,status,starts,contains", CASES, ids=[c[0] for c in CASES])
+def test_large_bodies_take_the_fast_decoder_and_get_the_same_answer(case, raw, status, starts, contains):
+    """Bodies of 4 KB or more are decoded with the lean schema (bounds checked afterwards, a
+    refused request parsed again strictly): the answer is the small body's, word for word."""
+    def answer(body):
+        cfg = tiny_config()
+        try:
+            parsed = RequestParser(cfg).parse(body)
+        except RequestError as e:
+            return e.status, e.message
+        _, errors = collate([parsed], cfg)
+        return (errors[0].status, errors[0].message) if errors else (200, "")
+
+    assert answer(raw + b" " * 4096) == answer(raw)
