@@ -64,16 +64,16 @@ integration: venv
 # Benchmark (results/benchmark.{json,md,png}); see README "Performance". ~3-5 minutes.
 bench: venv
 	$(PY) -m pip install -q -e ".[bench]"
-	$(PY) scripts/benchmark.py
+	$(PY) bench/benchmark.py
 
 # Mixed good/bad load against a private TorchServe; every answer checked. See README.
 soak: venv $(MAR)
-	$(PY) scripts/soak.py --duration 600 --concurrency 64 --json results/soak.json
+	$(PY) bench/soak.py --duration 600 --concurrency 64 --json results/soak.json
 
 # Kill, hang, restart, flood and starve a private TorchServe under load; every answer checked
 # (results/faults.{json,md}); see README "Faults". Up to 10 minutes; root for the logs tmpfs.
 faults: venv
-	$(PY) scripts/faults.py --json results/faults.json --table results/faults.md
+	$(PY) bench/faults.py --json results/faults.json --table results/faults.md
 
 clean: stop
 	rm -rf model_store .serve logs

@@ -1,4 +1,4 @@
-"""Integration, faults: scripts/faults.py --short against a private TorchServe (about 2-3 minutes).
+"""Integration, faults: bench/faults.py --short against a private TorchServe (about 2-3 minutes).
 
 One run breaks the server in every way of README "Faults" but the rollout under load, which
 tests/test_ops_server.py covers; each test reads its scenario's row.
