@@ -9,7 +9,7 @@ SAMPLE  ?= $(wildcard $(patsubst model-config.%.yaml,sample_requests/%.json,$(fi
 SAMPLE_ARG = $(if $(SAMPLE),--sample $(SAMPLE))
 SOURCES := dlrm_handler.py dlrm_factory.py dlrm_core.py dlrm_config.py dlrm_errors.py dlrm_scale.py dlrm_kserve.py dlrm_checkpoint.py \
            scripts/build_mar.py
-# A trained checkpoint to serve (README "Your trained model"): a .pt/.pth file or a DCP directory,
+# A trained checkpoint to serve (docs/trained-models.md): a .pt/.pth file or a DCP directory,
 # whose files the archive then depends on.
 CHECKPOINT ?=
 CKPT_FILES := $(if $(CHECKPOINT),$(or $(wildcard $(CHECKPOINT)/.metadata $(CHECKPOINT)/*),$(CHECKPOINT)))
@@ -42,7 +42,7 @@ serve: venv $(MAR)
 ready:
 	$(PY) scripts/serve.py ready $(SAMPLE_ARG) $(if $(CHECKPOINT),--config $(CONFIG))
 
-# Build the next model version from CONFIG and roll it out with no downtime (README, Operations).
+# Build the next model version from CONFIG and roll it out with no downtime (docs/operations.md).
 rollout: venv
 	$(PY) scripts/rollout.py --config $(CONFIG) $(SAMPLE_ARG) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT))
 
@@ -61,17 +61,17 @@ unit: venv
 integration: venv
 	$(PY) -m pytest -q -m integration
 
-# Benchmark (results/benchmark.{json,md,png}); see README "Performance". ~3-5 minutes.
+# Benchmark (results/benchmark.{json,md,png}); see docs/performance.md. ~3-5 minutes.
 bench: venv
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) bench/benchmark.py
 
-# Mixed good/bad load against a private TorchServe; every answer checked. See README.
+# Mixed good/bad load against a private TorchServe; every answer checked. See docs/faults-and-soak.md.
 soak: venv $(MAR)
 	$(PY) bench/soak.py --duration 600 --concurrency 64 --json results/soak.json
 
 # Kill, hang, restart, flood and starve a private TorchServe under load; every answer checked
-# (results/faults.{json,md}); see README "Faults". Up to 10 minutes; root for the logs tmpfs.
+# (results/faults.{json,md}); see docs/faults-and-soak.md. Up to 10 minutes; root for the logs tmpfs.
 faults: venv
 	$(PY) bench/faults.py --json results/faults.json --table results/faults.md
 

@@ -367,7 +367,7 @@ def v2_bodies(cfg, rng, rows: int) -> tuple[bytes, bytes, int]:
 
 def bench_v2(srv: Server, cfg, rng, duration: float, concurrency: int = 16) -> list[dict]:
     """128-row ranking requests on KServe's v2 route at c=16: JSON beside the binary tensor
-    extension (README "Kubernetes / KServe"); the /predictions figures are in bench_served."""
+    extension (docs/kubernetes.md); the /predictions figures are in bench_served."""
     pool = [v2_bodies(cfg, rng, RANKING_ROWS) for _ in range(16)]
     url = f"{srv.url}/v2/models/dlrm/infer"
     out = []

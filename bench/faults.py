@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Faults: break a private TorchServe under load in every way of README "Faults"; count answers.
+"""Faults: break a private TorchServe under load in every way of docs/faults-and-soak.md; count answers.
 
     python bench/faults.py --json results/faults.json --table results/faults.md   # ~10 min
     python bench/faults.py --short                                                # ~2 min (tests)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Load time and peak RSS of building an archive from a ~1 GB DCP checkpoint (README "Your trained model").
+"""Load time and peak RSS of building an archive from a ~1 GB DCP checkpoint (docs/trained-models.md).
 
     python bench/measure_import.py                    # 26 tables x 160,000 rows x D=64: 1.06 GB
     python bench/measure_import.py --rows 20000       # a quick run
