@@ -167,7 +167,7 @@ def test_build_script_rejects_a_mismatched_checkpoint(tmp_path, model):
     config.write_text(json.dumps({"handler": TINY}))
     with pytest.raises(SystemExit) as info:
         build_mar.main(["--config", str(config), "--output-dir", str(tmp_path), "--checkpoint", str(ckpt)])
-    assert "table 'feature_0' has shape [21, 8], the config expects [20, 8]" in str(info.value)
+    assert "table 'feature_0' (feature 'feature_0') has shape [21, 8], the config expects [20, 8]" in str(info.value)
     assert not (tmp_path / "dlrm.mar").exists()
 
 

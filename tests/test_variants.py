@@ -172,13 +172,16 @@ def test_every_input_moves_the_score(models, interaction):
 def test_fp32_archive_round_trip_scores_as_in_process(tmp_path, models, interaction):
     model = models[interaction]
     path = tmp_path / "dlrm.pt"
-    torch.save(model.state_dict(), path)
-    loaded = DLRMFactory(cfg(interaction)).load(path)
+    factory = DLRMFactory(cfg(interaction))
+    torch.save(factory.archive_state(copy.deepcopy(model)), path)  # what build_mar.py archives
+    loaded = factory.load(path)
     assert type(loaded) is type(model)
-    for (k, va), vb in zip(model.state_dict().items(), loaded.state_dict().values()):
-        assert torch.equal(va, vb), k
+    got = loaded.state_dict()
+    for k, v in model.state_dict().items():
+        if not k.startswith("sparse_arch."):  # the tables live in the fused kernel's rows
+            assert torch.equal(v, got[k]), k
     dense, kjt = batch()
-    assert torch.equal(forward(loaded, dense, kjt), forward(model, dense, kjt))
+    assert torch.allclose(forward(loaded, dense, kjt), forward(model, dense, kjt), atol=1e-6, rtol=0)
 
 
 def test_archive_of_another_variant_names_the_first_layer_that_does_not_fit(tmp_path, models):
