@@ -1,4 +1,4 @@
-# The DLRM serving kit. Quick start: `make serve`, then `make test`.
+# The DLRM serving kit. Quick start: `make serve`, then `make test`; `make help` lists the targets.
 PY      := .venv/bin/python
 CONFIG  ?= model-config.yaml
 PROPS   ?= config.properties
@@ -9,16 +9,20 @@ SAMPLE  ?= $(wildcard $(patsubst model-config.%.yaml,sample_requests/%.json,$(fi
 SAMPLE_ARG = $(if $(SAMPLE),--sample $(SAMPLE))
 SOURCES := dlrm_handler.py dlrm_factory.py dlrm_core.py dlrm_config.py dlrm_errors.py dlrm_scale.py dlrm_kserve.py dlrm_checkpoint.py \
            scripts/build_mar.py
-# A trained checkpoint to serve (README "Your trained model"): a .pt/.pth file or a DCP directory,
+# A trained checkpoint to serve (docs/trained-models.md): a .pt/.pth file or a DCP directory,
 # whose files the archive then depends on.
 CHECKPOINT ?=
 CKPT_FILES := $(if $(CHECKPOINT),$(or $(wildcard $(CHECKPOINT)/.metadata $(CHECKPOINT)/*),$(CHECKPOINT)))
 
-.PHONY: venv mar serve ready rollout rollback stop test unit integration bench soak faults clean FORCE
+.PHONY: help venv mar serve ready rollout rollback stop test unit integration bench soak faults clean FORCE
 
 # Creates .venv and installs the pinned stack; a no-op once done (see scripts/install.sh).
-venv:
+venv:  ## create .venv with the pinned stack (a no-op once done)
 	@bash scripts/install.sh
+
+# One line per target, from the `## ` comment after it (tests/test_docs.py checks every target has one).
+help:  ## list the targets
+	@grep -E '^[a-z][a-z-]*:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## /\1\t/' | awk -F'\t' '{printf "  %-12s %s\n", $$1, $$2}'
 
 # Rebuilt when a source, the config or the checkpoint changes; CONFIG=model-config.criteo.yaml for
 # Criteo, CONFIG=model-config.dlrmv2.yaml for MLPerf DLRMv2.
@@ -31,49 +35,49 @@ model_store/.config: FORCE
 
 FORCE:
 
-mar: venv
+mar: venv  ## build model_store/dlrm.mar from CONFIG (and CHECKPOINT)
 	$(PY) scripts/build_mar.py --config $(CONFIG) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) --force
 
 # Start TorchServe in the background (logs/), wait for the model, score a sample request.
-serve: venv $(MAR)
+serve: venv $(MAR)  ## start TorchServe in the background, wait for the model, score a sample
 	$(PY) scripts/serve.py start --properties $(PROPS) $(SAMPLE_ARG) $(if $(CHECKPOINT),--config $(CONFIG))
 
 # Readiness probe of the server `make serve` started: exit 0 once the model scores a request.
-ready:
+ready:  ## readiness probe: exit 0 once the served model scores a request
 	$(PY) scripts/serve.py ready $(SAMPLE_ARG) $(if $(CHECKPOINT),--config $(CONFIG))
 
-# Build the next model version from CONFIG and roll it out with no downtime (README, Operations).
-rollout: venv
+# Build the next model version from CONFIG and roll it out with no downtime (docs/operations.md).
+rollout: venv  ## build the next version from CONFIG and roll it out with no downtime
 	$(PY) scripts/rollout.py --config $(CONFIG) $(SAMPLE_ARG) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT))
 
-rollback: venv
+rollback: venv  ## roll back to the previous model version
 	$(PY) scripts/rollout.py --rollback $(SAMPLE_ARG)
 
-stop: venv
+stop: venv  ## stop the server `make serve` started
 	$(PY) scripts/serve.py stop --properties $(PROPS)
 
-test: venv
+test: venv  ## all tests: unit and real-TorchServe integration
 	$(PY) -m pytest -q
 
-unit: venv
+unit: venv  ## unit tests only (-m "not integration")
 	$(PY) -m pytest -q -m "not integration"
 
-integration: venv
+integration: venv  ## integration tests only (real TorchServe)
 	$(PY) -m pytest -q -m integration
 
-# Benchmark (results/benchmark.{json,md,png}); see README "Performance". ~3-5 minutes.
-bench: venv
+# Benchmark (results/benchmark.{json,md,png}); see docs/performance.md. ~3-5 minutes.
+bench: venv  ## the performance benchmark (results/benchmark.*), ~5 minutes
 	$(PY) -m pip install -q -e ".[bench]"
-	$(PY) scripts/benchmark.py
+	$(PY) bench/benchmark.py
 
-# Mixed good/bad load against a private TorchServe; every answer checked. See README.
-soak: venv $(MAR)
-	$(PY) scripts/soak.py --duration 600 --concurrency 64 --json results/soak.json
+# Mixed good/bad load against a private TorchServe; every answer checked. See docs/faults-and-soak.md.
+soak: venv $(MAR)  ## 10-minute mixed good/bad load, every answer checked (results/soak.json)
+	$(PY) bench/soak.py --duration 600 --concurrency 64 --json results/soak.json
 
 # Kill, hang, restart, flood and starve a private TorchServe under load; every answer checked
-# (results/faults.{json,md}); see README "Faults". Up to 10 minutes; root for the logs tmpfs.
-faults: venv
-	$(PY) scripts/faults.py --json results/faults.json --table results/faults.md
+# (results/faults.{json,md}); see docs/faults-and-soak.md. Up to 10 minutes; root for the logs tmpfs.
+faults: venv  ## break a private TorchServe under load (results/faults.*), up to 10 minutes
+	$(PY) bench/faults.py --json results/faults.json --table results/faults.md
 
-clean: stop
+clean: stop  ## stop, then remove model_store/, .serve/ and logs/
 	rm -rf model_store .serve logs

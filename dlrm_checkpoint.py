@@ -279,7 +279,7 @@ def config_text(ckpt: Checkpoint, handler: dict, derived: list[str], assumed: li
                responseTimeout=max(60, math.ceil(10 * (5 + weights_mb / 100))))
     lines = [f"# Written by scripts/build_mar.py --write-config from {ckpt.path} ({ckpt.kind}).",
              *(f"# derived: {d}" for d in derived), *(f"# assumed: {a}" for a in assumed),
-             "# Serving settings as in model-config.yaml (README \"Performance\"); timeouts by its rule for",
+             "# Serving settings as in model-config.yaml (docs/performance.md); timeouts by its rule for",
              f"# W = {weights_mb:,.1f} MB of weights: startupTimeout >= max(120, 2 x (30 + W / 100)),",
              "# responseTimeout >= max(60, 10 x (5 + W / 100)).",
              yaml.safe_dump(top, sort_keys=False).rstrip(),

@@ -143,7 +143,7 @@ class DLRMFactory:
 
         Every ``embedding_dtype`` runs fbgemm's fused table-batched kernel (torchrec's quantized
         EBC; fp32 is one of its types): one call for all tables instead of one ``nn.EmbeddingBag``
-        per table, ~3-4x faster on the Criteo layout (README, Performance). One device: the
+        per table, ~3-4x faster on the Criteo layout (docs/performance.md). One device: the
         kernel's weight buffer is built untouched and takes the memory-mapped archive buffer as
         it is, so nothing is allocated twice and on CPU the tables stay file-backed pages that
         workers of the same model share. Several devices: the tables are sharded table-wise
@@ -179,7 +179,7 @@ class DLRMFactory:
 
     def freeze_dense(self, model: DLRM) -> list[str]:
         """Swap the dense arch and the over arch for ``torch.jit.freeze``-d traces of themselves:
-        the forward at batch 1-32 took ~8-10% less on CPU (README, Performance). Each is traced
+        the forward at batch 1-32 took ~8-10% less on CPU (docs/performance.md). Each is traced
         on a probe batch and kept only if its output there equals the eager module's bit for bit
         (else left eager). Returns the names of the parts frozen. A frozen part has no
         parameters left: call this on a model to serve, not one to save or shard."""

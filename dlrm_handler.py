@@ -5,7 +5,7 @@ whole TorchServe batch into one dense tensor and one KeyedJaggedTensor, run one 
 (several for a batch of more than MAX_ROWS_PER_FORWARD rows), and answer every request on its own: a bad request gets its own 4xx and JSON error body while
 the good requests of the same batch get their scores. TorchServe imports this file and wants
 exactly one class in it. Each request is read and answered in its own protocol (dlrm_kserve:
-/predictions and gRPC as in the README, KServe v1, Open Inference Protocol v2 JSON or binary),
+/predictions and gRPC as in docs/requests-and-errors.md, KServe v1, Open Inference Protocol v2 JSON or binary),
 and requests of every protocol share the batch's forward pass.
 """
 
@@ -52,7 +52,7 @@ BINARY_SPELLINGS = (BINARY_HEADER, BINARY_HEADER.lower())
 
 
 class TorchRecDLRMHandler(BaseHandler, ABC):
-    """Scores DLRM requests; see README.md for the request and response formats."""
+    """Scores DLRM requests; see docs/requests-and-errors.md for the request and response formats."""
 
     def initialize(self, context):
         props = context.system_properties

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--config", default=str(ROOT / "model-config.yaml"),
                     help="model-config.yaml with a handler: section (default: %(default)s)")
     ap.add_argument("--checkpoint", help="a trained fp32 DLRM: a .pt/.pth state_dict file or a DCP directory "
-                    "(README \"Your trained model\"), quantized here when handler.embedding_dtype is fp16/int8/int4; "
+                    "(docs/trained-models.md), quantized here when handler.embedding_dtype is fp16/int8/int4; "
                     "default: seeded random weights from handler.seed")
     ap.add_argument("--write-config", metavar="OUT.yaml",
                     help="with --checkpoint: write a complete model config derived from the checkpoint's keys "

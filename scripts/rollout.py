@@ -95,7 +95,7 @@ class Rollout:
             say(f"register {archive}: starting its workers (up to {self.timeout:.0f} s)")
             # Not synchronous=true: TorchServe then blocks one of its netty threads until the
             # workers are up, and every inference connection served by that thread waits too
-            # (scripts/faults.py measured requests held 6.9 s, the whole worker start).
+            # (bench/faults.py measured requests held 6.9 s, the whole worker start).
             query = urllib.parse.urlencode({"url": archive, "model_name": self.model, "synchronous": "false"})
             since = self.srv.log_size()
             status, answer = self.call("POST", f"/models?{query}", timeout=self.timeout)

@@ -58,7 +58,7 @@ def start(args) -> int:
 
 def ready(args) -> int:
     """One readiness check of the running server (a Kubernetes exec readiness probe): the model
-    scores the sample request. Liveness is /ping; it cannot tell a failed model (README)."""
+    scores the sample request. Liveness is /ping; it cannot tell a failed model (docs/operations.md)."""
     try:
         srv = Server.attach(Path(args.home))
     except FileNotFoundError as e:

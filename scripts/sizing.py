@@ -15,7 +15,7 @@ Workers per budget, two rules:
   shared    floor((budget - tables) / (dense + worker)): on CPU this kit memory-maps the
             archive, so all workers of a model read one copy of the tables from the page cache
             and each extra worker costs only its process (worker = --worker-overhead; see
-            scripts/bench_scale.py for a measurement)
+            bench/bench_scale.py for a measurement)
 
 startupTimeout: worker start (--base-seconds) plus reading every table byte at --disk-mbps,
 times 1.5. That is the GPU / cold-cache bound; a CPU worker maps the file and reads rows
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--worker-overhead", type=parse_bytes, default=parse_bytes("450MiB"),
                     help="memory of one worker process besides the model: Python, torch, torchrec, TorchServe "
                          "(default: %(default)s bytes, a margin over the ~0.3 GB each extra CPU worker added in "
-                         "scripts/bench_scale.py's measurement)")
+                         "bench/bench_scale.py's measurement)")
     ap.add_argument("--base-seconds", type=float, default=20.0,
                     help="worker start without the tables: imports, TorchServe handshake (default: %(default)s)")
     ap.add_argument("--disk-mbps", type=float, default=200.0,

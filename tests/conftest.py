@@ -11,6 +11,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from dlrm_config import DLRMConfig  # noqa: E402
 from dlrm_factory import DLRMFactory  # noqa: E402

@@ -1,6 +1,6 @@
-"""Integration, faults: scripts/faults.py --short against a private TorchServe (about 2-3 minutes).
+"""Integration, faults: bench/faults.py --short against a private TorchServe (about 2-3 minutes).
 
-One run breaks the server in every way of README "Faults" but the rollout under load, which
+One run breaks the server in every way of docs/faults-and-soak.md but the rollout under load, which
 tests/test_ops_server.py covers; each test reads its scenario's row.
 The bounds (recovery within the new worker's load time + 5 s, read from TorchServe's log in the
 same run) hold on a busy 2-core host; the script's own checks are the same ones.

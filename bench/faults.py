@@ -1,12 +1,12 @@
 #!/usr/bin/env python
-"""Faults: break a private TorchServe under load in every way of README "Faults"; count answers.
+"""Faults: break a private TorchServe under load in every way of docs/faults-and-soak.md; count answers.
 
-    python scripts/faults.py --json results/faults.json --table results/faults.md   # ~10 min
-    python scripts/faults.py --short                                                # ~2 min (tests)
+    python bench/faults.py --json results/faults.json --table results/faults.md   # ~10 min
+    python bench/faults.py --short                                                # ~2 min (tests)
 
 One TorchServe on free loopback ports serves an archive built from model-config.yaml with a
 short responseTimeout (--response-timeout), so a hung worker is noticed within the run. Closed-loop
-clients (scripts/loadgen.py) send single-row and 128-row requests; every 200 is checked against
+clients (bench/loadgen.py) send single-row and 128-row requests; every 200 is checked against
 scores computed in this process from the archive's weights (soak.expected_scores). Scenarios, in
 order: baseline, worker killed (SIGKILL), worker hung (SIGSTOP), server restarted, rollout,
 overload, slow and broken clients, archive faults, logs on a full / read-only disk. Each row
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent / "scripts")]
 from loadgen import LoadResult, percentile, run_load  # noqa: E402
 from soak import expected_scores, instance, same_scores  # noqa: E402
 from tsctl import ROOT, Server  # noqa: E402

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""Load time and peak RSS of building an archive from a ~1 GB DCP checkpoint (README "Your trained model").
+"""Load time and peak RSS of building an archive from a ~1 GB DCP checkpoint (docs/trained-models.md).
 
-    python scripts/measure_import.py                    # 26 tables x 160,000 rows x D=64: 1.06 GB
-    python scripts/measure_import.py --rows 20000       # a quick run
+    python bench/measure_import.py                    # 26 tables x 160,000 rows x D=64: 1.06 GB
+    python bench/measure_import.py --rows 20000       # a quick run
 
 1. scripts/train.py (2 DMP ranks, a few steps) writes the DCP checkpoint: 26 tables, whole tables
    spread over the two ranks' files;
@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "bench")]
 
 
 def status(field: str) -> int:

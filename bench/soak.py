@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Soak: a bounded mixed good/bad load against a real TorchServe, every answer checked.
 
-    python scripts/soak.py --duration 600 --concurrency 64        # starts its own server
-    python scripts/soak.py --url http://127.0.0.1:8080 ...         # or uses a running one
+    python bench/soak.py --duration 600 --concurrency 64        # starts its own server
+    python bench/soak.py --url http://127.0.0.1:8080 ...         # or uses a running one
 
 Good requests (one or several instances, multi-hot, random key subsets) are first scored one at
 a time; under load each answer must be 200 with those solo scores (to 1e-5). Bad requests must
@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent / "scripts")]
 from loadgen import run_load  # noqa: E402
 from tsctl import ROOT, Server, post, worker_pids  # noqa: E402
 

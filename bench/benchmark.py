@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Benchmark the serving path against the model's own speed and TorchServe's own ceiling.
 
-    python scripts/benchmark.py                  # what `make bench` runs; ~5-8 minutes
-    python scripts/benchmark.py --duration 3     # a quick look
+    python bench/benchmark.py                  # what `make bench` runs; ~5-8 minutes
+    python bench/benchmark.py --duration 3     # a quick look
 
 One run, one machine, four parts (the Criteo-layout config by default):
   1. raw model forward as served (fp32 tables in fbgemm's fused kernel, dense and over arch
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent / "scripts")]
 from loadgen import percentile, run_load  # noqa: E402
 from tsctl import ROOT, Server, get, post  # noqa: E402
 
@@ -269,13 +269,13 @@ def build_archives(cfg_path: Path, store: Path) -> None:
     (dlrm_fp16, dlrm_int8), and an echo archive with the same TorchServe settings."""
     import yaml
 
-    subprocess.run([sys.executable, str(HERE / "build_mar.py"), "--config", str(cfg_path),
+    subprocess.run([sys.executable, str(HERE.parent / "scripts" / "build_mar.py"), "--config", str(cfg_path),
                     "--output-dir", str(store), "--force"], check=True)
     for dtype in QUANTIZED:
         doc = yaml.safe_load(cfg_path.read_text())
         doc["handler"]["embedding_dtype"] = dtype
         (store / f"config-{dtype}.yaml").write_text(yaml.safe_dump(doc))
-        subprocess.run([sys.executable, str(HERE / "build_mar.py"), "--config", str(store / f"config-{dtype}.yaml"),
+        subprocess.run([sys.executable, str(HERE.parent / "scripts" / "build_mar.py"), "--config", str(store / f"config-{dtype}.yaml"),
                         "--output-dir", str(store), "--model-name", f"dlrm_{dtype}", "--force"], check=True)
     doc = yaml.safe_load(cfg_path.read_text())
     doc.pop("handler", None)
@@ -367,7 +367,7 @@ def v2_bodies(cfg, rng, rows: int) -> tuple[bytes, bytes, int]:
 
 def bench_v2(srv: Server, cfg, rng, duration: float, concurrency: int = 16) -> list[dict]:
     """128-row ranking requests on KServe's v2 route at c=16: JSON beside the binary tensor
-    extension (README "Kubernetes / KServe"); the /predictions figures are in bench_served."""
+    extension (docs/kubernetes.md); the /predictions figures are in bench_served."""
     pool = [v2_bodies(cfg, rng, RANKING_ROWS) for _ in range(16)]
     url = f"{srv.url}/v2/models/dlrm/infer"
     out = []
@@ -628,7 +628,7 @@ def main() -> int:
             srv.stop()
 
     report = {
-        "command": "python scripts/benchmark.py " + " ".join(sys.argv[1:]),
+        "command": "python bench/benchmark.py " + " ".join(sys.argv[1:]),
         "config": cfg_path.name,
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                     "torch": torch.__version__, "torch_threads": threads},

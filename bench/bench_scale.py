@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Scale benchmark: speed per embedding dtype, load cost vs table size, memory of 1/2/4 workers.
 
-    python scripts/bench_scale.py                         # all three parts (~15 min on 2 cores)
-    python scripts/bench_scale.py --parts speed load      # a subset
-    python scripts/bench_scale.py --device cuda           # speed and load on a GPU
+    python bench/bench_scale.py                         # all three parts (~15 min on 2 cores)
+    python bench/bench_scale.py --parts speed load      # a subset
+    python bench/bench_scale.py --device cuda           # speed and load on a GPU
 
 Writes results/scale.json and results/scale.md (a run of some --parts replaces those parts and
 keeps the others; each part's ratios come from one run on one machine, absolute times move with
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "bench")]
 
 # The Criteo 1TB table sizes (torchrec's DLRM example, DEFAULT_CAT_NAMES order).
 CRITEO_1TB_ROWS = [45833188, 36746, 17245, 7413, 20243, 3, 7114, 1441, 62, 29275261, 1572176, 345138, 10, 2209,
