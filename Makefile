@@ -14,7 +14,7 @@ SOURCES := dlrm_handler.py dlrm_factory.py dlrm_core.py dlrm_config.py dlrm_erro
 CHECKPOINT ?=
 CKPT_FILES := $(if $(CHECKPOINT),$(or $(wildcard $(CHECKPOINT)/.metadata $(CHECKPOINT)/*),$(CHECKPOINT)))
 
-.PHONY: help venv mar serve ready rollout rollback stop test unit integration bench soak faults clean FORCE
+.PHONY: help venv mar serve ready rollout rollback stop test unit integration bench knobs soak faults clean FORCE
 
 # Creates .venv and installs the pinned stack; a no-op once done (see scripts/install.sh).
 venv:  ## create .venv with the pinned stack (a no-op once done)
@@ -69,6 +69,10 @@ integration: venv  ## integration tests only (real TorchServe)
 bench: venv  ## the performance benchmark (results/benchmark.*), ~5 minutes
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) bench/benchmark.py
+
+# TorchServe's netty/queue/batching settings, A/B against the shipped ones (results/knobs.*).
+knobs: venv  ## measure TorchServe's settings against the shipped ones (results/knobs.*), ~10 minutes
+	$(PY) bench/knobs.py
 
 # Mixed good/bad load against a private TorchServe; every answer checked. See docs/faults-and-soak.md.
 soak: venv $(MAR)  ## 10-minute mixed good/bad load, every answer checked (results/soak.json)

@@ -12,6 +12,8 @@ Request forms (a body may hold one instance, or several under ``instances``)::
     {"instances": [<instance>, <instance>, ...]}
     {"context": {"dense": [...], "sparse": {...}}, "candidates": [{"sparse": {...}}, ...]}
                                                        # one row per candidate: context + its own
+    {"columns": {"dense": [[...], ...], "sparse": {"f0": {"values": [...], "lengths": [...]}}}}
+                                                       # rows feature by feature (+ a context)
     {"float_features": [...], "id_list_features.lengths": [<one per feature, model order>],
      "id_list_features.values": [...]}                 # the pytorch/serve torchrec_dlrm format
 
@@ -51,12 +53,14 @@ _Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 _Key = Annotated[str, msgspec.Meta(max_length=MAX_KEY_CHARS)]
 
 
-def _schema(Float: Any, Count: Any, Keys: Any) -> type:
-    """The request type: a row's fields, plus ``instances`` or ``context`` + ``candidates``."""
+def _schema(Float: Any, Count: Any, Keys: Any, Bags: Any) -> type:
+    """The request type: a row's fields, plus ``instances``, ``context`` + ``candidates``, or
+    ``columns`` (with or without ``context``)."""
     def struct(name, fields, bases=()):
         return msgspec.defstruct(name, fields, bases=bases, forbid_unknown_fields=True)
 
     sparse = struct("Sparse", [("keys", Keys), ("values", list[Count]), ("lengths", list[Count])])
+    columns = struct("Columns", [("dense", list[list[Float]] | None, None), ("sparse", Bags | None, None)])
     instance = struct("Instance", [
         ("dense", list[Float] | None, None),
         ("sparse", sparse | None, None),
@@ -65,16 +69,24 @@ def _schema(Float: Any, Count: Any, Keys: Any) -> type:
         ("id_list_values", list[Count] | None, msgspec.field(default=None, name="id_list_features.values")),
     ])
     return struct("Request", [("instances", list[instance] | None, None), ("context", instance | None, None),
-                              ("candidates", list[instance] | None, None)], bases=(instance,))
+                              ("candidates", list[instance] | None, None), ("columns", columns | None, None)],
+                  bases=(instance,))
 
 
-_Request = _schema(_Float32, _Count, list[_Key])
+def _bag(Count: Any) -> type:
+    """One feature's column: ``lengths`` (one per row; left out: one id per row) and ``values``."""
+    return msgspec.defstruct("Bag", [("values", list[Count]), ("lengths", list[Count] | None, None)],
+                             forbid_unknown_fields=True)
+
+
+_Bag = _bag(_Count)
+_Request = _schema(_Float32, _Count, list[_Key], dict[_Key, _Bag])
 _DECODER = msgspec.json.Decoder(_Request)
 # The hot path's schema: the same fields without the bounds (the parser checks ranges on the
 # decoded arrays) and with each key list kept as raw JSON (decoded and validated once per
 # distinct list): ~35% less decoding for a 128-row request. A request that any check refuses
 # is parsed again with the strict schema, so every message is the strict one.
-_FAST_DECODER = msgspec.json.Decoder(_schema(float, int, msgspec.Raw))
+_FAST_DECODER = msgspec.json.Decoder(_schema(float, int, msgspec.Raw, dict[str, _bag(int)]))
 _FAST_MIN_BYTES = 4096
 _KEY_LIST = msgspec.json.Decoder(list[_Key])
 _DENSE, _SPARSE = operator.attrgetter("dense"), operator.attrgetter("sparse")
@@ -97,17 +109,34 @@ class ParsedRequest:
     sorts them into the KJT's key-major order. E.g. rows b0 = {f1: [7], f0: [3, 4]}, b1 = {f0: [5]}:
     values [7, 3, 4, 5], seg_feature [1, 0, 0], seg_row [0, 0, 1], seg_length [1, 2, 1].
     The sequences are lists or numpy arrays.
+
+    Single-hot rows (every feature sent has exactly one id in every row, as in Criteo) come as
+    ``onehot`` = (the features sent, ascending; ids ``[k, n]``, row j of it for features[j]),
+    from which collate builds the KJT directly; their segments are then left None until
+    ``segments()`` derives them (key-major: feature by feature, row by row).
     """
 
     n: int
     dense: Sequence[float]  # n * F_dense floats, row-major
-    values: Sequence[int]
-    seg_feature: Sequence[int]
-    seg_length: Sequence[int]
-    seg_row: Sequence[int]
+    values: Sequence[int] | None
+    seg_feature: Sequence[int] | None
+    seg_length: Sequence[int] | None
+    seg_row: Sequence[int] | None
     # For error messages only: the position of an id in ``values`` -> the field that holds it,
     # e.g. "instances[1].sparse.values[0]".
     id_field: Callable[[int], str] = str
+    onehot: tuple[tuple[int, ...], np.ndarray] | None = None
+
+    def segments(self) -> "ParsedRequest":
+        """Fill in the segments of a single-hot request that left them out; returns self."""
+        if self.values is None:
+            features, ids = self.onehot
+            k, n = len(features), self.n
+            self.values = ids.reshape(-1)
+            self.seg_feature = np.repeat(np.array(features, dtype=np.int64), n)
+            self.seg_length = np.ones(k * n, dtype=np.int64)
+            self.seg_row = np.tile(np.arange(n, dtype=np.int64), k)
+        return self
 
     @classmethod
     def columnar(
@@ -159,6 +188,82 @@ class ParsedRequest:
         )
 
 
+@dataclass(slots=True)
+class _Context:
+    """The features every row of a ranking or columns request shares, sent once."""
+
+    dense: Sequence[float] | None = None
+    features: Sequence[int] = ()
+    values: Sequence[int] = ()
+    lengths: Sequence[int] = ()
+
+    def join(self, own: ParsedRequest) -> ParsedRequest:
+        """``own``'s rows, each with the context's dense (when ``own`` has none) and sparse
+        features added."""
+        n, k = own.n, len(self.features)
+        dense = own.dense if self.dense is None else self.dense_rows(n)
+        if not k:
+            return ParsedRequest(n, dense, own.values, own.seg_feature, own.seg_length, own.seg_row, own.id_field,
+                                 own.onehot)
+        if own.onehot is not None and self.single_hot():
+            own_features, own_ids = own.onehot
+            return _hot_request(n, dense, [(own_features, own_ids, lambda j, row: own.id_field(j * n + row)),
+                                           self.part()])
+        own.segments()
+        n_ctx, n_own = len(self.values), len(own.values)
+
+        def id_field(pos: int) -> str:
+            if pos < n_own:
+                return own.id_field(pos)
+            return f"context.sparse.values[{(pos - n_own) % n_ctx}]"
+
+        return ParsedRequest(
+            n, dense,
+            np.concatenate([np.asarray(own.values, dtype=np.int64), np.tile(np.asarray(self.values, dtype=np.int64), n)]),
+            np.concatenate([np.asarray(own.seg_feature, dtype=np.int64), np.tile(np.array(self.features, dtype=np.int64), n)]),
+            np.concatenate([np.asarray(own.seg_length, dtype=np.int64), np.tile(np.asarray(self.lengths, dtype=np.int64), n)]),
+            np.concatenate([np.asarray(own.seg_row, dtype=np.int64), np.repeat(np.arange(n, dtype=np.int64), k)]),
+            id_field,
+        )
+
+    def single_hot(self) -> bool:
+        return all(x == 1 for x in self.lengths)
+
+    def dense_rows(self, n: int) -> np.ndarray:
+        """The context's dense, once per row, row-major."""
+        return np.tile(np.asarray(self.dense, dtype=np.float32), n)
+
+    def part(self) -> tuple:
+        """The context as a part of _hot_request (single-hot: id j is key j's)."""
+        return (self.features, np.asarray(self.values, dtype=np.int64),
+                lambda j, row: f"context.sparse.values[{j}]")
+
+
+def _hot_request(n: int, dense: Sequence[float], parts: Sequence[tuple]) -> ParsedRequest:
+    """n single-hot rows from parts (features, ids, field): ids ``[k, n]``, or ``[k]`` when
+    every row has the same id; ``field(j, row)`` names the field of the id of features[j] in
+    that row. The ParsedRequest's segments are left to ParsedRequest.segments(); its id_field
+    reads positions in their key-major order."""
+    features = [f for part in parts for f in part[0]]
+    order = sorted(range(len(features)), key=features.__getitem__)
+    rank = np.empty(len(features), dtype=np.int64)
+    rank[order] = np.arange(len(features))
+    ids = np.empty((len(features), n), dtype=np.int64)
+    start = 0
+    for part_features, part_ids, _ in parts:
+        k = len(part_features)
+        ids[rank[start : start + k]] = part_ids if part_ids.ndim == 2 else part_ids[:, None]
+        start += k
+    source = [(p, j) for p, part in enumerate(parts) for j in range(len(part[0]))]
+    source = [source[i] for i in order]
+
+    def id_field(pos: int) -> str:
+        p, j = source[pos // n]
+        return parts[p][2](j, pos % n)
+
+    return ParsedRequest(n, dense, None, None, None, None, id_field, (tuple(features[i] for i in order), ids))
+
+
 @dataclass
 class Batch:
     """Every row of the requests that passed: B rows, F features."""
@@ -195,8 +300,8 @@ class RequestParser:
     def _parse(self, req: Any, checked: bool) -> ParsedRequest:
         """``checked``: decoded with the strict schema (bounds checked)."""
         row_fields = (req.dense, req.sparse, req.float_features, req.id_list_lengths, req.id_list_values)
-        if req.context is not None or req.candidates is not None:
-            out = self._ranking(req, row_fields)
+        if req.columns is not None or req.context is not None or req.candidates is not None:
+            out = (self._columns if req.columns is not None else self._ranking)(req, row_fields)
             if not checked:
                 _check_ranges(out)
             return out
@@ -285,13 +390,17 @@ class RequestParser:
                 with np.errstate(over="ignore"):  # past float32: inf, which _check_ranges refuses
                     dense = np.fromiter(itertools.chain.from_iterable(dense_lists), np.float32,
                                         n * c.num_dense_features)
-            counts = np.fromiter(map(len, values_lists), np.int64, n)
             first = lengths_lists[0]
-            if all(map(first.__eq__, lengths_lists)):  # e.g. single-hot: one id per feature
-                row_lengths = np.array(first, dtype=np.int64)
-                lengths = np.tile(row_lengths, n)
-                if len(row_lengths) != k or (k and row_lengths.min() < 0) or (counts != row_lengths.sum()).any():
+            if all(map(first.__eq__, lengths_lists)):  # every row alike, e.g. single-hot
+                if len(first) != k or (k and min(first) < 0) or set(map(len, values_lists)) != {sum(first)}:
                     return None
+                if k and set(first) == {1}:  # id j of a row is its key j's
+                    values = np.fromiter(itertools.chain.from_iterable(values_lists), np.int64, n * k)
+                    return _hot_request(n, dense, [(features, values.reshape(n, k).T,
+                                                    lambda j, row: f"{name}[{row}].sparse.values[{j}]")])
+            counts = np.fromiter(map(len, values_lists), np.int64, n)
+            if all(map(first.__eq__, lengths_lists)):
+                lengths = np.tile(np.array(first, dtype=np.int64), n)
             else:
                 if set(map(len, lengths_lists)) != {k}:
                     return None
@@ -318,52 +427,139 @@ class RequestParser:
         if req.instances is not None or any(v is not None for v in row_fields):
             raise BadRequest("context: put every field inside context and candidates; no other top-level field "
                              "is allowed beside them")
-        ctx, candidates = req.context, req.candidates
-        if ctx is None:
+        candidates = req.candidates
+        if req.context is None:
             raise BadRequest("context: required field is missing (the features all candidates share, "
                              "e.g. {\"dense\": [...], \"sparse\": {...}})")
         if candidates is None:
             raise BadRequest("candidates: required field is missing (one object per item to score, "
-                             "e.g. [{\"sparse\": {...}}, ...])")
+                             "e.g. [{\"sparse\": {...}}, ...], or columns: {...})")
         if not candidates:
             raise BadRequest("candidates: expected a non-empty array of candidates, got []")
+        ctx = self._context(req.context)
+        self._check_sizes(candidates, "candidates", len(ctx.values))
+        own = self._rows(candidates, "candidates", ctx.dense, ctx.features, candidate=True)
+        if ctx.features and own.n > 1 and (own.onehot is not None or isinstance(own.seg_feature, np.ndarray)):
+            # the common path skipped this
+            sent = own.onehot[0] if own.onehot is not None else own.seg_feature[: len(own.seg_feature) // own.n].tolist()
+            if set(ctx.features) & set(sent):
+                raise BadRequest(self._clash(candidates[0], 0, ctx.features))
+        return ctx.join(own)
+
+    def _columns(self, req: Any, row_fields: tuple) -> ParsedRequest:
+        """``{"columns": {"dense": [[...], ...], "sparse": {"<feature>": {"values": [...],
+        "lengths": [...]}}}}``: n rows given feature by feature (one body for a whole candidate
+        list, no key repeated per row), optionally with a ``context`` that every row shares.
+        A feature's ``lengths`` has one entry per row; left out, every row has one id. E.g.
+        {"dense": [d0, d1], "sparse": {"f0": {"values": [3, 4, 5], "lengths": [2, 1]},
+        "f1": {"values": [7, 8]}}} is the rows {dense: d0, f0: [3, 4], f1: [7]} and
+        {dense: d1, f0: [5], f1: [8]}."""
+        if req.instances is not None or req.candidates is not None or any(v is not None for v in row_fields):
+            raise BadRequest("columns: send columns alone or with a context; no other top-level field is allowed "
+                             "beside it")
+        c, cols = self.config, req.columns
+        ctx = self._context(req.context) if req.context is not None else _Context()
+        sparse = cols.sparse or {}
+        if cols.dense is not None:
+            n, n_field = len(cols.dense), "columns.dense"
+        elif sparse:
+            key, bag = next(iter(sparse.items()))
+            n, n_field = ((len(bag.values), f"columns.sparse.{key}.values") if bag.lengths is None
+                          else (len(bag.lengths), f"columns.sparse.{key}.lengths"))
+        else:
+            raise BadRequest('columns: expected a dense and/or a sparse column, e.g. {"dense": [[...], ...], '
+                             '"sparse": {"<feature>": {"values": [...], "lengths": [...]}}}')
+        if n == 0:
+            raise BadRequest(f"{n_field}: expected at least one row, got []")
+        if n > c.max_instances_per_request:
+            raise PayloadTooLarge(f"{n_field}: at most {c.max_instances_per_request} rows per request "
+                                  f"(handler.max_instances_per_request), got {n}")
+        n_ids = sum(len(bag.values) for bag in sparse.values()) + n * len(ctx.values)
+        if n_ids > c.max_ids_per_request:
+            raise PayloadTooLarge(f"columns.sparse: at most {c.max_ids_per_request} ids per request "
+                                  f"(handler.max_ids_per_request), got {n_ids}")
+        if cols.dense is not None:
+            if ctx.dense is not None:
+                raise BadRequest("columns.dense: context.dense is given already; send dense once in the context "
+                                 "or as a column")
+            width = c.num_dense_features
+            if set(map(len, cols.dense)) != {width}:
+                j = next(j for j, row in enumerate(cols.dense) if len(row) != width)
+                raise BadRequest(f"columns.dense[{j}]: expected {width} numbers, got {len(cols.dense[j])}")
+            with np.errstate(over="ignore"):  # past float32: inf, which _check_ranges refuses
+                dense = np.array(cols.dense, dtype=np.float32)
+        elif ctx.dense is not None:
+            dense = np.zeros((n, 0), dtype=np.float32)  # the context's, added by join
+        else:
+            raise BadRequest("columns.dense: required field is missing (one array of "
+                             f"{c.num_dense_features} numbers per row, or once in context.dense)")
+        feats, names, value_lists, length_lists = [], [], [], []
+        for key, bag in sparse.items():
+            f = self.feature_index.get(key)
+            where = f"columns.sparse.{key}"
+            if f is None:
+                raise BadRequest(f"columns.sparse: unknown feature {_show(key)}; expected one of "
+                                 f"{_names(c.sparse_features, 32)}")
+            if f in ctx.features:
+                raise BadRequest(f"{where}: feature {_show(key)} is also in context.sparse.keys; send each feature "
+                                 f"in the context or as a column, not both")
+            if bag.lengths is None and len(bag.values) != n:
+                raise BadRequest(f"{where}.values: expected one id per row ({n}) when {where}.lengths is left "
+                                 f"out, got {len(bag.values)}")
+            if bag.lengths is not None and len(bag.lengths) != n:
+                raise BadRequest(f"{where}.lengths: expected one length per row ({n}), got {len(bag.lengths)}")
+            feats.append(f)
+            names.append(where)
+            value_lists.append(bag.values)
+            length_lists.append(bag.lengths)
+        # All features at once, in the order sent (already key-major within the request).
+        k, counts = len(feats), list(map(len, value_lists))
+        values = np.fromiter(itertools.chain.from_iterable(value_lists), np.int64, sum(counts))
+        if all(lengths is None for lengths in length_lists):
+            lengths, single_hot = np.ones(k * n, dtype=np.int64), True
+        else:
+            lengths = np.fromiter(itertools.chain.from_iterable(
+                itertools.repeat(1, n) if x is None else x for x in length_lists), np.int64, k * n)
+            sums = lengths.reshape(k, n).sum(1)
+            if (sums != counts).any():
+                j = int(np.argmax(sums != counts))
+                raise BadRequest(f"{names[j]}.values: expected sum({names[j]}.lengths) = {int(sums[j])} ids, got "
+                                 f"{counts[j]}")
+            single_hot = bool((lengths == 1).all())
+        dense = dense.reshape(-1)
+        if single_hot:  # one id per row: the id of row r is at r
+            own = (feats, values.reshape(k, n), lambda j, row: f"{names[j]}.values[{row}]")
+            if ctx.single_hot():
+                return _hot_request(n, ctx.dense_rows(n) if ctx.dense is not None else dense,
+                                    [own] + ([ctx.part()] if ctx.features else []))
+            return ctx.join(_hot_request(n, dense, [own]))
+        starts = list(itertools.accumulate(counts, initial=0))
+
+        def id_field(pos: int) -> str:
+            j = bisect.bisect_right(starts, pos) - 1
+            return f"{names[j]}.values[{pos - starts[j]}]"
+
+        return ctx.join(ParsedRequest(n, dense, values, np.repeat(np.array(feats, dtype=np.int64), n), lengths,
+                                      np.tile(np.arange(n, dtype=np.int64), k), id_field))
+
+    def _context(self, ctx: Any) -> "_Context":
+        """The ``context`` of the ranking or columns form, checked."""
         for field, value in (("float_features", ctx.float_features), ("id_list_features.lengths", ctx.id_list_lengths),
                              ("id_list_features.values", ctx.id_list_values)):
             if value is not None:
-                raise BadRequest(f"context.{field}: the ranking form takes dense and sparse")
+                raise BadRequest(f"context.{field}: the context takes dense and sparse")
         if ctx.dense is not None and len(ctx.dense) != self.config.num_dense_features:
             raise BadRequest(f"context.dense: expected {self.config.num_dense_features} numbers, got {len(ctx.dense)}")
-        features, values, lengths = [], [], []
-        if ctx.sparse is not None:
-            keys, values, lengths = ctx.sparse.keys, ctx.sparse.values, ctx.sparse.lengths
-            features = self._features(keys, "context.")
-            if len(lengths) != len(features):
-                raise BadRequest(f"context.sparse.lengths: expected one length per key ({len(features)}), got {len(lengths)}")
-            if sum(lengths) != len(values):
-                raise BadRequest(f"context.sparse.values: expected sum(context.sparse.lengths) = {sum(lengths)} ids, "
-                                 f"got {len(values)}")
-        self._check_sizes(candidates, "candidates", len(values))
-        own = self._rows(candidates, "candidates", ctx.dense, features, candidate=True)
-        n, k, n_own = own.n, len(features), len(own.values)
-        if features and own.n > 1 and isinstance(own.seg_feature, np.ndarray):  # the common path skipped this
-            clash = set(features) & set(own.seg_feature[: len(own.seg_feature) // n].tolist())
-            if clash:
-                raise BadRequest(self._clash(candidates[0], 0, features))
-        dense = own.dense if ctx.dense is None else np.tile(np.asarray(ctx.dense, dtype=np.float32), n)
-
-        def id_field(pos: int) -> str:
-            if pos < n_own:
-                return own.id_field(pos)
-            return f"context.sparse.values[{(pos - n_own) % len(values)}]"
-
-        return ParsedRequest(
-            n, dense,
-            np.concatenate([np.asarray(own.values, dtype=np.int64), np.tile(np.asarray(values, dtype=np.int64), n)]),
-            np.concatenate([np.asarray(own.seg_feature, dtype=np.int64), np.tile(np.array(features, dtype=np.int64), n)]),
-            np.concatenate([np.asarray(own.seg_length, dtype=np.int64), np.tile(np.asarray(lengths, dtype=np.int64), n)]),
-            np.concatenate([np.asarray(own.seg_row, dtype=np.int64), np.repeat(np.arange(n, dtype=np.int64), k)]),
-            id_field,
-        )
+        if ctx.sparse is None:
+            return _Context(ctx.dense)
+        keys, values, lengths = ctx.sparse.keys, ctx.sparse.values, ctx.sparse.lengths
+        features = self._features(keys, "context.")
+        if len(lengths) != len(features):
+            raise BadRequest(f"context.sparse.lengths: expected one length per key ({len(features)}), got {len(lengths)}")
+        if sum(lengths) != len(values):
+            raise BadRequest(f"context.sparse.values: expected sum(context.sparse.lengths) = {sum(lengths)} ids, "
+                             f"got {len(values)}")
+        return _Context(ctx.dense, features, values, lengths)
 
     def _clash(self, cand: Any, row: int, shared: Sequence[int]) -> str:
         keys = self._key_list(cand.sparse.keys, f"candidates[{row}].")
@@ -464,7 +660,11 @@ class RequestParser:
 def _check_ranges(out: ParsedRequest) -> None:
     """What the fast schema does not check: ids and lengths in 0..int64 max, dense within
     float32 (a larger number became inf). Raises _Recheck (the strict pass names the field)."""
-    for name in ("values", "seg_length"):
+    if out.values is None:  # single-hot: lengths are all 1
+        ids = out.onehot[1]
+        if ids.size and ids.min() < 0:
+            raise _Recheck("values: out of range")
+    for name in ("values", "seg_length") if out.values is not None else ():
         seq = getattr(out, name)
         if isinstance(seq, np.ndarray):  # int64 already: only the sign is left to check
             bad = len(seq) and seq.min() < 0
@@ -512,6 +712,13 @@ def _collate(
     F = config.num_features
     rows = [r.n for r in requests]
     B = sum(rows)
+    hot = [r.onehot for r in requests]
+    if None not in hot and len({h[0] for h in hot}) == 1:
+        batch = _collate_onehot(requests, config, device)
+        if batch is not None:
+            return batch, {}
+    for r in requests:
+        r.segments()
 
     def cat(name: str, dtype=np.int64) -> np.ndarray:
         parts = [getattr(r, name) for r in requests]
@@ -557,6 +764,31 @@ def _collate(
         lengths=_on(torch.from_numpy(lengths), device),
     )
     return Batch(_on(torch.from_numpy(dense), device), kjt, rows, remapped), {}
+
+
+def _collate_onehot(requests: Sequence[ParsedRequest], config: DLRMConfig, device: torch.device | str) -> Batch | None:
+    """The batch when every request is single-hot in the same features (ParsedRequest.onehot):
+    the KJT's values are the ids [k, B] read row by row, its lengths 1 for those features and 0
+    for the rest. E.g. features (0, 2) of F = 3, rows b0, b1: lengths [1, 1 | 0, 0 | 1, 1],
+    values [f0 ids of b0, b1 | f2 ids of b0, b1]. None when an id is out of range: the general
+    path names it (or folds it)."""
+    features = list(requests[0].onehot[0])
+    ids = (requests[0].onehot[1] if len(requests) == 1
+           else np.concatenate([r.onehot[1] for r in requests], axis=1))
+    if features and (ids >= _table_rows(config)[features][:, None]).any():
+        return None
+    B = ids.shape[1]
+    lengths = np.zeros((config.num_features, B), dtype=np.int64)
+    lengths[features] = 1
+    dense = np.concatenate([np.asarray(r.dense, dtype=np.float32) for r in requests]) if len(requests) > 1 \
+        else np.asarray(requests[0].dense, dtype=np.float32)
+    kjt = KeyedJaggedTensor(
+        keys=list(config.sparse_features),
+        values=_on(torch.from_numpy(np.ascontiguousarray(ids).reshape(-1)), device),
+        lengths=_on(torch.from_numpy(lengths.reshape(-1)), device),
+    )
+    return Batch(_on(torch.from_numpy(dense.reshape(B, config.num_dense_features)), device), kjt,
+                 [r.n for r in requests])
 
 
 def _on(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -699,34 +931,58 @@ _RULES = [  # msgspec's wording -> ours
 ]
 
 
-def _explain(msg: str, whole: Any) -> str:
+def _explain(msg: str, whole: Any, prefix: str = "") -> str:
     """``Expected `int` >= 0 - at `$.sparse.lengths[1]``` -> ``sparse.lengths[1]: expected a
-    non-negative integer, got -1``."""
+    non-negative integer, got -1``. ``prefix``: where ``whole`` sits in the request."""
     m = _AT.search(msg)
     path = m.group("path").lstrip(".") if m else ""
     text = msg[: m.start()] if m else msg
+    if path.startswith("columns.sparse[...]") and not prefix:  # msgspec does not say which feature
+        named = _name_column(whole)
+        if named:
+            return named
+    where = ".".join(filter(None, (prefix, path))).replace(".[", "[")
     if text.startswith("Object missing required field"):
         name = text.split("`")[1]
-        return f"{path + '.' if path else ''}{name}: required field is missing"
+        return f"{where + '.' if where else ''}{name}: required field is missing"
     if text.startswith("Object contains unknown field"):
         name = text.split("`")[1]
-        where = f"{path + '.' if path else ''}{name[:MAX_KEY_CHARS]}"
-        return f"{where}: unknown field; expected {_expected_fields(path)}"
+        return f"{where + '.' if where else ''}{name[:MAX_KEY_CHARS]}: unknown field; expected {_expected_fields(where)}"
     for rule, ours in _RULES:
         m = rule.match(text)
         if m:
             got = _value_at(whole, path)
             if got is None and m.groups():
                 got = f"{'an' if m.group(1)[0] in 'aeiou' else 'a'} {m.group(1)}"  # msgspec's type name
-            return f"{path or 'body'}: {ours}" + (f", got {got}" if got is not None else "")
-    return f"{path or 'body'}: {_lower(text)}"
+            return f"{where or 'body'}: {ours}" + (f", got {got}" if got is not None else "")
+    return f"{where or 'body'}: {_lower(text)}"
+
+
+def _name_column(whole: Any) -> str | None:
+    """The message for the first column of ``columns.sparse`` that does not fit, named by its
+    feature, e.g. ``columns.sparse.feature_0.values[1]: expected a non-negative integer, got -1``."""
+    try:
+        columns = whole()["columns"]["sparse"]
+        items = list(columns.items())
+    except (Exception, RecursionError):
+        return None
+    for key, bag in items:
+        try:
+            msgspec.convert(bag, _Bag)
+        except msgspec.ValidationError as e:
+            return _explain(str(e), lambda bag=bag: bag, f"columns.sparse.{str(key)[:MAX_KEY_CHARS]}")
+    return None
 
 
 def _expected_fields(path: str) -> str:
+    if path.endswith("columns"):
+        return "dense, sparse"
+    if path.startswith("columns.sparse"):
+        return "values, lengths"
     if path.endswith("sparse"):
         return "keys, values, lengths"
     fields = "dense, sparse, float_features, id_list_features.lengths, id_list_features.values"
-    return fields if path else fields + ", instances, context, candidates"
+    return fields if path else fields + ", instances, context, candidates, columns"
 
 
 def _value_at(whole: Any, path: str) -> str | None:

@@ -11,9 +11,11 @@ One run, one machine, four parts (the Criteo-layout config by default):
      without the frozen dense parts, interleaved in alternating order;
   2. the handler in-process (fake context, no server): microseconds per request and per row in
      parse+validation, KJT collation, forward and response building, for single-row requests,
-     128-row `instances` requests and 128-row ranking-form requests (context + candidates);
+     128-row `instances` requests, 128-row ranking-form requests (context + candidates), the
+     same rows as context + columns, and the instances' rows as columns;
   3. served by a real TorchServe on 127.0.0.1: requests/s, rows/s, p50/p90/p99 and errors at
-     concurrency 1, 16, 64 for single-row and 128-row requests (both forms); fp16 and int8
+     concurrency 1, 16, 64 for single-row and 128-row requests (instances, ranking, context +
+     columns); fp16 and int8
      archives of the same model at the two headline points (single-row c=64, ranking c=16);
   4. the same load against a trivial echo handler served with the same TorchServe settings.
 Writes results/benchmark.json, results/benchmark.md and results/benchmark.png, and computes the
@@ -46,6 +48,8 @@ BATCHES = (1, 32, 128, 512)
 CONCURRENCY = (1, 16, 64)
 RANKING_ROWS = 128
 RANKING = "ranking"  # the 128-row ranking form, beside the 128-row instances form
+COLUMNS = "columns"  # the same 128 rows as RANKING: the context plus the candidates as columns
+COLUMNS_ALL = "columns-all"  # the same 128 rows as instances (every feature), as columns
 QUANTIZED = ("fp16", "int8")  # served at the headline points beside fp32
 
 
@@ -82,6 +86,38 @@ def make_ranking_body(cfg, rng, rows: int) -> bytes:
     candidates = [{"sparse": {"keys": keys, "values": [rng.randrange(n) for n in cfg.num_embeddings[half:]],
                               "lengths": [1] * len(keys)}} for _ in range(rows)]
     return json.dumps({"context": context, "candidates": candidates}).encode()
+
+
+def make_columns_body(cfg, rng, rows: int, context: bool = True) -> bytes:
+    """``rows`` rows as columns, single-hot (lengths left out). With ``context``: the rows of
+    make_ranking_body (dense and the first half of the sparse features once, in the context);
+    without: the rows of make_body (every feature a column)."""
+    half = cfg.num_features // 2 if context else 0
+    user = make_instance(cfg, rng)
+    columns = {"sparse": {f: {"values": [rng.randrange(n) for _ in range(rows)]}
+                          for f, n in zip(cfg.sparse_features[half:], cfg.num_embeddings[half:])}}
+    if not context:
+        return json.dumps({"columns": {"dense": [make_instance(cfg, rng)["dense"] for _ in range(rows)], **columns}}).encode()
+    ctx = {"dense": user["dense"], "sparse": {"keys": list(cfg.sparse_features[:half]),
+                                              "values": user["sparse"]["values"][:half], "lengths": [1] * half}}
+    return json.dumps({"context": ctx, "columns": columns}).encode()
+
+
+def rows_of(kind) -> int:
+    """Rows per request of a request kind: an int (instances form) or a form's name."""
+    return kind if isinstance(kind, int) else RANKING_ROWS
+
+
+def form_of(kind) -> str:
+    return kind if isinstance(kind, str) else "instances"
+
+
+def make_kind(kind, cfg, rng) -> bytes:
+    if kind == RANKING:
+        return make_ranking_body(cfg, rng, RANKING_ROWS)
+    if kind in (COLUMNS, COLUMNS_ALL):
+        return make_columns_body(cfg, rng, RANKING_ROWS, context=kind == COLUMNS)
+    return make_body(cfg, rng, kind)
 
 
 # --- 1. raw forward ------------------------------------------------------------------------------
@@ -206,9 +242,9 @@ def bench_handler(handler, cfg, seconds: float) -> list[dict]:
 
     out = []
     rng = random.Random(2)
-    for n_req, form in ((1, 1), (1, RANKING_ROWS), (1, RANKING), (32, 1), (32, RANKING_ROWS)):
-        rows = RANKING_ROWS if form == RANKING else form
-        bodies = [(make_ranking_body if form == RANKING else make_body)(cfg, rng, rows) for _ in range(n_req)]
+    for n_req, kind in ((1, 1), (1, RANKING_ROWS), (1, RANKING), (1, COLUMNS), (1, COLUMNS_ALL), (32, 1), (32, RANKING_ROWS)):
+        rows = rows_of(kind)
+        bodies = [make_kind(kind, cfg, rng) for _ in range(n_req)]
         data = [{"body": b} for b in bodies]
         ctx = _Context(".", None)
         # Overhead from the same calls: handle()'s wall time less the forward phase that the
@@ -248,7 +284,7 @@ def bench_handler(handler, cfg, seconds: float) -> list[dict]:
         share = statistics.median((w - f) / f for w, f in paired)
         n_rows = n_req * rows
         row = {
-            "requests": n_req, "rows_per_request": rows, "form": "ranking" if form == RANKING else "instances",
+            "requests": n_req, "rows_per_request": rows, "form": form_of(kind),
             "body_bytes": round(statistics.mean(map(len, bodies))),
             **{f"{k}_us_per_request": round(v / n_req, 1) for k, v in med.items()},
             **{f"{k}_us_per_row": round(v / n_rows, 2) for k, v in med.items()},
@@ -291,12 +327,12 @@ def build_archives(cfg_path: Path, store: Path) -> None:
 def bench_served(srv: Server, model: str, bodies: dict, duration: float, profile_to: Path | None = None,
                  points: list | None = None) -> list[dict]:
     """Each (request kind, concurrency) point, by default every kind in ``bodies`` (1 and
-    RANKING_ROWS: instances; RANKING: the ranking form) at every concurrency; with
+    RANKING_ROWS: instances; RANKING, COLUMNS: those forms) at every concurrency; with
     ``profile_to``, py-spy samples the worker during the single-row c=1 and c=64 points."""
     out = []
     for kind, c in points or [(k, c) for k in bodies for c in CONCURRENCY]:
         pool = bodies[kind]
-        rows = RANKING_ROWS if kind == RANKING else kind
+        rows = rows_of(kind)
         url = f"{srv.url}/predictions/{model}"
         errors = [0]
 
@@ -325,7 +361,7 @@ def bench_served(srv: Server, model: str, bodies: dict, duration: float, profile
             summarise_profile(raw_profile)
         errs = errors[0] + res.transport_errors
         row = {
-            "model": model, "rows_per_request": rows, "form": "ranking" if kind == RANKING else "instances",
+            "model": model, "rows_per_request": rows, "form": form_of(kind),
             "concurrency": c,
             "requests": res.answered, "requests_per_s": round(res.answered / res.wall_s, 1),
             "rows_per_s": round(res.answered * rows / res.wall_s),
@@ -464,11 +500,11 @@ def targets(raw, handler_rows, served) -> list[dict]:
                    f"(= {composed:,.0f} req/s)",
          "value": round(single64["requests_per_s"] / composed, 3), "bound": 0.85, "higher_is_better": True},
     ]
-    for form in ("ranking", "instances"):
+    for form in ("ranking", "columns", "instances"):
         rank = find(served, model="dlrm", rows_per_request=RANKING_ROWS, form=form, concurrency=16)
         out.append({"target": f"ranking (128 rows, {form} form) c=16: served rows/s >= 0.75 x raw forward rows/s at B=128",
                     "value": round(rank["rows_per_s"] / raw128["rows_per_s"], 3), "bound": 0.75, "higher_is_better": True})
-    for form in ("ranking", "instances"):
+    for form in ("ranking", "columns", "instances", "columns-all"):
         h = find(handler_rows, requests=1, rows_per_request=RANKING_ROWS, form=form)
         out.append({"target": f"parse + collate of one 128-row request ({form} form) <= 0.10 x its forward",
                     "value": h["parse_collate_share_of_forward"], "bound": 0.10, "higher_is_better": False})
@@ -549,7 +585,8 @@ def plot(report, path: Path) -> None:
     if "unfused_rows_per_s" in raw[0]:
         axes[0].plot([r["batch"] for r in raw], [r["unfused_rows_per_s"] for r in raw], "o:",
                      label="raw forward (unfused nn.EmbeddingBag)")
-    for rows, form, style in ((1, "instances", "s--"), (RANKING_ROWS, "instances", "^--"), (RANKING_ROWS, "ranking", "v--")):
+    for rows, form, style in ((1, "instances", "s--"), (RANKING_ROWS, "instances", "^--"), (RANKING_ROWS, "ranking", "v--"),
+                              (RANKING_ROWS, "columns", "d--")):
         pts = [r for r in report["served"] if r["model"] == "dlrm" and r["rows_per_request"] == rows and r["form"] == form]
         axes[0].plot([r["concurrency"] * rows for r in pts], [r["rows_per_s"] for r in pts], style,
                      label=f"served, {rows}-row {form} requests (x: rows in flight)")
@@ -607,7 +644,8 @@ def main() -> int:
         rng = random.Random(3)
         bodies = {1: [make_body(cfg, rng, 1) for _ in range(256)],
                   RANKING_ROWS: [make_body(cfg, rng, RANKING_ROWS) for _ in range(16)],
-                  RANKING: [make_ranking_body(cfg, rng, RANKING_ROWS) for _ in range(16)]}
+                  RANKING: [make_ranking_body(cfg, rng, RANKING_ROWS) for _ in range(16)],
+                  COLUMNS: [make_columns_body(cfg, rng, RANKING_ROWS) for _ in range(16)]}
         models = ["dlrm", *(f"dlrm_{d}" for d in QUANTIZED), "echo"]
         srv = Server.on_free_ports(tmp / "home", model_store=store,
                                    overrides={"load_models": ",".join(f"{m}={m}.mar" for m in models)})
@@ -616,7 +654,7 @@ def main() -> int:
         try:
             for m in models:
                 srv.wait_ready(m, bodies[1][0], timeout=600)
-            for kind in (RANKING_ROWS, RANKING):
+            for kind in (RANKING_ROWS, RANKING, COLUMNS):
                 status, _, _ = post(f"{srv.url}/predictions/dlrm", bodies[kind][0])
                 assert status == 200, status
             served = bench_served(srv, "dlrm", bodies, args.duration, out / "profile-worker")

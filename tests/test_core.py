@@ -220,6 +220,68 @@ def test_ranking_form_with_dense_per_candidate_and_in_a_mixed_batch(parser, mode
     assert got[0] == got[2] and len(got[1]) == 3
 
 
+# --- the columns form: {"columns": {"dense": [[...], ...], "sparse": {"<feature>": {...}}}} ------
+
+def test_columns_form_scores_exactly_as_the_same_instances(parser, model, config):
+    """Feature by feature, in any order, with lengths or single-hot (lengths left out), alone
+    or beside a context: the same KJT as the rows, so the same scores bit for bit."""
+    dense = [[i / 3, -i, 0.5, 1.0, i * 0.25] for i in range(4)]
+    bags0 = [[], [1, 2], [3, 4], []]
+    rows = [instance(d, feature_0=bags0[i], feature_1=[7 - i], feature_2=[i % 2]) for i, d in enumerate(dense)]
+    cols = {"dense": dense, "sparse": {
+        "feature_1": {"values": [7, 6, 5, 4]},
+        "feature_2": {"values": [0, 1, 0, 1], "lengths": [1, 1, 1, 1]},
+        "feature_0": {"values": [1, 2, 3, 4], "lengths": [0, 2, 2, 0]}}}
+    want = run(parser, model, config, [body({"instances": rows})])[0]
+    assert len(set(want)) == 4
+    assert run(parser, model, config, [body({"columns": cols})])[0] == want
+    # the same rows as a context (dense, feature_1 shared) plus columns
+    shared = [instance(DENSE, feature_0=[i], feature_1=[9], feature_2=[3 - i]) for i in range(4)]
+    ctx = {"dense": DENSE, "sparse": {"keys": ["feature_1"], "values": [9], "lengths": [1]}}
+    cols = {"sparse": {"feature_2": {"values": [3, 2, 1, 0]}, "feature_0": {"values": [0, 1, 2, 3]}}}
+    got = run(parser, model, config, [body({"context": ctx, "columns": cols})])[0]
+    assert got == run(parser, model, config, [body({"instances": shared})])[0] and len(set(got)) == 4
+
+
+def test_columns_form_in_a_mixed_batch_and_on_the_fast_decoder(parser, model, config):
+    """A columns request shares a batch with row-form requests; a body past the fast decoder's
+    threshold parses to the same arrays."""
+    cols = {"columns": {"dense": [DENSE] * 3, "sparse": {"feature_2": {"values": [1, 2, 3]}}}}
+    single = body(instance(DENSE, feature_0=[1]))
+    rows = [instance(DENSE, feature_2=[i]) for i in (1, 2, 3)]
+    got = run(parser, model, config, [single, body(cols), single])
+    assert got == run(parser, model, config, [single, body({"instances": rows}), single])
+    small, large = parser.parse(body(cols)).segments(), parser.parse(body(cols) + b" " * 5000).segments()
+    for field in ("dense", "values", "seg_feature", "seg_length", "seg_row"):
+        assert np.array_equal(getattr(small, field), getattr(large, field)), field
+
+
+def test_single_hot_shortcut_builds_the_same_kjt_as_the_general_path(parser, config):
+    """Requests whose every feature has one id per row carry ParsedRequest.onehot; collate's
+    shortcut for them gives the KJT of the general scatter, alone and in batches."""
+    import dataclasses
+
+    ctx = {"dense": DENSE, "sparse": {"keys": ["feature_2"], "values": [7], "lengths": [1]}}
+    hot = [
+        body({"instances": [instance([i] * 5, feature_2=[i], feature_0=[i + 1]) for i in range(3)]}),
+        body({"context": ctx, "candidates": [{"sparse": {"keys": ["feature_0"], "values": [i], "lengths": [1]}}
+                                             for i in range(4)]}),
+        body({"context": ctx, "columns": {"sparse": {"feature_0": {"values": [5, 6]}}}}),
+        body({"columns": {"dense": [DENSE] * 2, "sparse": {"feature_2": {"values": [1, 2], "lengths": [1, 1]},
+                                                           "feature_0": {"values": [3, 4]}}}}),
+    ]
+    parsed = [parser.parse(b) for b in hot]
+    assert all(p.onehot is not None and p.onehot[0] == (0, 2) for p in parsed)
+    multi = parser.parse(body({"instances": [instance(DENSE, feature_0=[1, 2]), instance(DENSE, feature_0=[3, 4])]}))
+    assert multi.onehot is None
+    for batch_of in (parsed[:1], parsed[1:3], parsed, parsed + [multi]):
+        fast, _ = collate(batch_of, config)
+        slow, _ = collate([dataclasses.replace(p.segments(), onehot=None) for p in batch_of], config)
+        assert torch.equal(fast.dense, slow.dense) and fast.rows == slow.rows
+        for part in ("values", "lengths"):
+            assert torch.equal(getattr(fast.sparse, part)(), getattr(slow.sparse, part)()), part
+
+
 def test_many_instances_with_one_key_list_parse_as_row_by_row(parser, model, config):
     """The vectorised path (one key list) and the row-by-row path (key orders differ) agree."""
     same = [instance([i / 7] * 5, feature_0=[i % 20], feature_1=[i % 30, 1], feature_2=[]) for i in range(8)]

@@ -100,6 +100,27 @@ def test_ranking_form_scores_as_the_same_instances(server):
     assert status == 400 and answer["message"].startswith('candidates[0].sparse.keys[0]: feature "feature_1" is also in')
 
 
+def test_columns_form_scores_as_the_same_instances(server):
+    """sample_requests/columns.json: a context plus columns (one single-hot column, one with
+    lengths) over HTTP, concurrently with its rows sent as instances."""
+    cols = json.loads((SAMPLES / "columns.json").read_bytes())
+    ctx, sparse = cols["context"], cols["columns"]["sparse"]
+    rows = [{"dense": ctx["dense"], "sparse": {"keys": ["feature_0", "feature_1", "feature_2"],
+                                              "values": ctx["sparse"]["values"] + [sparse["feature_1"]["values"][i]] + f2,
+                                              "lengths": [2, 1, len(f2)]}}
+            for i, f2 in enumerate([[4], [6, 9]])]
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda raw: predict(server, raw), [(SAMPLES / "columns.json").read_bytes(),
+                                                                    json.dumps({"instances": rows}).encode()] * 4))
+    assert {a[0] for a in answers} == {200}
+    want = answers[1][1]["scores"]  # batches differ: equal to 1e-5, as any request's scores
+    assert all(a[1]["scores"] == pytest.approx(want, abs=1e-5) for a in answers) and len(set(want)) == 2
+    bad = dict(cols, columns={"sparse": {"feature_2": {"values": [4, 6], "lengths": [1, 2]}}})
+    status, answer, _ = predict(server, json.dumps(bad).encode())
+    assert status == 400 and answer["message"] == ("columns.sparse.feature_2.values: expected "
+                                                   "sum(columns.sparse.feature_2.lengths) = 3 ids, got 2")
+
+
 def test_any_content_type_carrying_json_works(server):
     raw = (SAMPLES / "seed_single.json").read_bytes()
     want = predict(server, raw)[1]

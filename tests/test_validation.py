@@ -40,6 +40,13 @@ def ranking(cands, ctx_sparse=None, cand_dense=None) -> dict:
     return {"context": ctx, "candidates": out}
 
 
+def columns(**bags) -> dict:
+    """A two-row columns-form request: columns(feature_0=([2, 1], [3, 4, 5])); lengths None:
+    left out (one id per row)."""
+    sparse = {f: {"values": v} if lengths is None else {"values": v, "lengths": lengths} for f, (lengths, v) in bags.items()}
+    return {"columns": {"dense": [DENSE, DENSE], "sparse": sparse}}
+
+
 # (case, body, status, the message starts with, and contains)
 CASES = [
     ("not json", b"dense=1", 400, "body:", "malformed JSON"),
@@ -140,6 +147,64 @@ CASES = [
     ("too many candidates", js(ranking(cands=[{"feature_0": [1]}] * 9)), 413, "candidates:", "at most 8 instances"),
     ("too many ids via the context", js(ranking(ctx_sparse={"feature_2": [1] * 10}, cands=[{"feature_0": [1]}] * 6)),
      413, "sparse.values:", "at most 64 ids per request"),
+    # the columns form: {"columns": {"dense": [[...], ...], "sparse": {"<feature>": {"values", "lengths"}}}}
+    ("columns negative id", js(columns(feature_0=([2, 1], [3, -4, 5]))), 400,
+     "columns.sparse.feature_0.values[1]:", "expected a non-negative integer, got -4"),
+    ("columns fractional length", js(columns(feature_1=([1.5, 1], [3, 4]))), 400,
+     "columns.sparse.feature_1.lengths[0]:", "expected an integer, got 1.5"),
+    ("columns id past int64", js(columns(feature_0=(None, [2**64, 1]))), 400,
+     "columns.sparse.feature_0.values[0]:", "fits int64"),
+    ("columns unknown bag field", js({"columns": {"dense": [DENSE], "sparse": {"feature_0": {"values": [1], "ids": []}}}}),
+     400, "columns.sparse.feature_0.ids:", "unknown field; expected values, lengths"),
+    ("columns bag missing values", js({"columns": {"dense": [DENSE], "sparse": {"feature_0": {"lengths": [0]}}}}),
+     400, "columns.sparse.feature_0.values:", "required field is missing"),
+    ("columns unknown field", js({"columns": {"dense": [DENSE], "rows": 1}}), 400, "columns.rows:",
+     "unknown field; expected dense, sparse"),
+    ("columns unknown feature", js(columns(feature_9=(None, [1, 2]))), 400, "columns.sparse:",
+     'unknown feature "feature_9"; expected one of feature_0, feature_1, feature_2'),
+    ("columns lengths per row", js(columns(feature_0=([1, 1, 1], [1, 2, 3]))), 400,
+     "columns.sparse.feature_0.lengths:", "expected one length per row (2)"),
+    ("columns ids vs lengths", js(columns(feature_0=([1, 1], [1, 2, 3]))), 400,
+     "columns.sparse.feature_0.values:", "expected sum(columns.sparse.feature_0.lengths) = 2 ids"),
+    ("columns single-hot count", js(columns(feature_0=(None, [1]))), 400, "columns.sparse.feature_0.values:",
+     "expected one id per row (2) when columns.sparse.feature_0.lengths is left out, got 1"),
+    ("columns dense width", js({"columns": {"dense": [DENSE, DENSE[:4]]}}), 400, "columns.dense[1]:",
+     "expected 5 numbers, got 4"),
+    ("columns dense not a number", js({"columns": {"dense": [DENSE, [True] * 5]}}), 400, "columns.dense[1][0]:",
+     "expected a number, got true"),
+    ("columns dense missing", js({"columns": {"sparse": {"feature_0": {"values": [1]}}}}), 400, "columns.dense:",
+     "required field is missing"),
+    ("columns empty", js({"columns": {}}), 400, "columns:", "expected a dense and/or a sparse column"),
+    ("columns no rows", js({"columns": {"dense": []}}), 400, "columns.dense:", "expected at least one row, got []"),
+    ("columns beside instances", js({"columns": {"dense": [DENSE]}, "instances": [OK]}), 400, "columns:",
+     "no other top-level field"),
+    ("columns dense in context too", js({"context": {"dense": DENSE}, "columns": {"dense": [DENSE]}}), 400,
+     "columns.dense:", "context.dense is given already"),
+    ("columns feature in context too", js({"context": instance(DENSE, feature_1=[1]),
+                                           "columns": {"sparse": {"feature_1": {"values": [2]}}}}), 400,
+     "columns.sparse.feature_1:", 'feature "feature_1" is also in context.sparse.keys'),
+    ("columns id out of range", js(columns(feature_2=([0, 2], [1, 40]))), 400,
+     "columns.sparse.feature_2.values[1]:", "id 40 is out of range for feature 'feature_2'"),
+    # single-hot requests (one id per feature per row) take collate's shortcut; a bad id still names its field
+    ("single-hot instance id out of range", js({"instances": [instance(DENSE, feature_1=[1], feature_0=[2])] * 2
+                                                + [instance(DENSE, feature_1=[30], feature_0=[2])]}), 400,
+     "instances[2].sparse.values[0]:", "id 30 is out of range for feature 'feature_1'"),
+    ("single-hot candidate id out of range", js(ranking(ctx_sparse={"feature_2": [4]},
+                                                        cands=[{"feature_0": [1]}, {"feature_0": [20]}])), 400,
+     "candidates[1].sparse.values[0]:", "id 20 is out of range for feature 'feature_0'"),
+    ("single-hot context id out of range", js(ranking(ctx_sparse={"feature_1": [3], "feature_2": [40]},
+                                                      cands=[{"feature_0": [1]}, {"feature_0": [2]}])), 400,
+     "context.sparse.values[1]:", "id 40 is out of range for feature 'feature_2'"),
+    ("single-hot column id out of range", js(columns(feature_0=(None, [1, 2]), feature_2=(None, [3, 40]))), 400,
+     "columns.sparse.feature_2.values[1]:", "id 40 is out of range for feature 'feature_2'"),
+    ("single-hot column beside a context", js({"context": instance(DENSE, feature_2=[5]),
+                                               "columns": {"sparse": {"feature_1": {"values": [3, 30]}}}}), 400,
+     "columns.sparse.feature_1.values[1]:", "id 30 is out of range for feature 'feature_1'"),
+    ("single-hot negative candidate id", js(ranking(cands=[{"feature_0": [1]}, {"feature_0": [-2]}])), 400,
+     "candidates[1].sparse.values[0]:", "expected a non-negative integer, got -2"),
+    ("too many columns rows", js({"columns": {"dense": [DENSE] * 9}}), 413, "columns.dense:", "at most 8 rows"),
+    ("too many columns ids", js(columns(feature_0=([40, 30], list(range(20)) * 3 + [1] * 10))), 413,
+     "columns.sparse:", "at most 64 ids per request"),
 ]
 
 
