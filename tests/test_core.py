@@ -282,6 +282,27 @@ def test_single_hot_shortcut_builds_the_same_kjt_as_the_general_path(parser, con
             assert torch.equal(getattr(fast.sparse, part)(), getattr(slow.sparse, part)()), part
 
 
+def test_layout_of_the_json_text_does_not_change_the_rows(parser, config):
+    """The fast decoder compares key and lengths lists as raw JSON text: rows whose lists differ
+    only in spacing parse to the batch of the compact JSON (single-hot or not)."""
+    pad = b" " * 4096  # past the fast decoder's threshold
+
+    def kjt_of(raw):
+        batch, errors = collate([parser.parse(raw + pad)], config)
+        assert errors == {}
+        return batch.dense.tolist(), batch.sparse.lengths().tolist(), batch.sparse.values().tolist()
+
+    multi = [instance([i / 5] * 5, feature_0=[i], feature_2=[i + 1, 2] if i % 3 == 0 else [i]) for i in range(8)]
+    single = [instance([i / 5] * 5, feature_0=[i], feature_2=[i]) for i in range(8)]
+    for rows in (multi, single):
+        compact = json.dumps({"instances": rows}, separators=(",", ":")).encode()
+        variants = [json.dumps({"instances": rows}, indent=1).encode(),
+                    compact.replace(b'"lengths":[1,1]', b'"lengths": [1, 1]', 3)]
+        assert variants[1] != compact
+        assert all(kjt_of(raw) == kjt_of(compact) for raw in variants)
+    assert parser.parse(json.dumps({"instances": single}).encode() + pad).onehot is not None
+
+
 def test_many_instances_with_one_key_list_parse_as_row_by_row(parser, model, config):
     """The vectorised path (one key list) and the row-by-row path (key orders differ) agree."""
     same = [instance([i / 7] * 5, feature_0=[i % 20], feature_1=[i % 30, 1], feature_2=[]) for i in range(8)]
