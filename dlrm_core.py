@@ -147,6 +147,20 @@ class ParsedRequest:
         return self
 
     @classmethod
+    def single_hot(cls, dense: np.ndarray, ids: Mapping[int, np.ndarray], fields: Mapping[int, str]) -> "ParsedRequest":
+        """n rows with one id per row of each feature sent: ``dense`` ``[n, F_dense]``,
+        ``ids[f]`` ``[n]`` (any integer dtype), ``fields[f]`` its name for messages. Raises
+        BadRequest naming a negative id, e.g. ``feature_1[3]: expected a non-negative integer``."""
+        n, feats = int(dense.shape[0]), list(ids)
+        matrix = (np.stack([ids[f] for f in feats]).astype(np.int64, copy=False) if feats
+                  else np.zeros((0, n), dtype=np.int64))
+        if matrix.size and int(matrix.min()) < 0:
+            j, row = divmod(int(np.argmax(matrix.reshape(-1) < 0)), n)
+            raise BadRequest(f"{fields[feats[j]]}[{row}]: expected a non-negative integer, got {int(matrix[j, row])}")
+        return _hot_request(n, np.ascontiguousarray(dense, dtype=np.float32).reshape(-1),
+                            [(feats, matrix, lambda j, row: f"{fields[feats[j]]}[{row}]")])
+
+    @classmethod
     def columnar(
         cls,
         dense: np.ndarray,
@@ -163,21 +177,28 @@ class ParsedRequest:
         """
         n = int(dense.shape[0])
         feats = list(bags)
+        single_hot = n > 0
         for f in feats:
             lengths, values = bags[f]
             lengths_field, values_field = fields[f]
             if lengths.shape != (n,):
                 raise BadRequest(f"{lengths_field}: expected one length per row ({n}), got shape {list(lengths.shape)}")
-            if n and int(lengths.min()) < 0:
+            shortest = int(lengths.min()) if n else 0
+            if shortest < 0:
                 raise BadRequest(f"{lengths_field}[{int(np.argmax(lengths < 0))}]: expected a non-negative integer, "
                                  f"got {int(lengths[lengths < 0][0])}")
             total = int(lengths.sum())
+            single_hot = single_hot and shortest == 1 and total == n  # then every length is 1
             if values.shape != (total,):
                 raise BadRequest(f"{values_field}: expected sum({lengths_field}) = {total} ids, got shape "
                                  f"{list(values.shape)}")
             if total and int(values.min()) < 0:
                 raise BadRequest(f"{values_field}[{int(np.argmax(values < 0))}]: expected a non-negative integer, "
                                  f"got {int(values[values < 0][0])}")
+        if single_hot:  # one id per row: the id of row r is at r
+            return _hot_request(n, np.ascontiguousarray(dense, dtype=np.float32).reshape(-1), [(
+                feats, np.stack([bags[f][1] for f in feats]) if feats else np.zeros((0, n), dtype=np.int64),
+                lambda j, row: f"{fields[feats[j]][1]}[{row}]")])
         starts = list(itertools.accumulate((len(bags[f][1]) for f in feats), initial=0))
 
         def id_field(pos: int) -> str:

@@ -229,7 +229,7 @@ def _columns(req: _InferRequest, tail: memoryview, config: DLRMConfig) -> Parsed
                          f"[{bad // dense.shape[1]}, {bad % dense.shape[1]}]")
 
     index = {name: f for f, name in enumerate(config.sparse_features)}
-    bags, fields = {}, {}
+    bags, ones, fields = {}, {}, {}  # ones: features sent as one id per row
     for name in list(arrays):
         base, dot, part = name.rpartition(".")
         feature = base if dot and part in ("lengths", "values") else name
@@ -250,7 +250,7 @@ def _columns(req: _InferRequest, tail: memoryview, config: DLRMConfig) -> Parsed
                 raise BadRequest(f"{feature}: send either {feature} or {feature}.lengths + {feature}.values, not both")
             if one.shape not in ((n,), (n, 1)):
                 raise BadRequest(f"{feature}: expected shape [{n}] (one id per row), got {list(one.shape)}")
-            bags[f] = (np.ones(n, dtype=np.int64), one.reshape(-1).astype(np.int64, copy=False))
+            ones[f] = one.reshape(-1)
             fields[f] = (feature, feature)
         else:
             if lengths is None or values is None:
@@ -262,10 +262,13 @@ def _columns(req: _InferRequest, tail: memoryview, config: DLRMConfig) -> Parsed
             bags[f] = (lengths.reshape(-1) if lengths.shape == (n, 1) else lengths).astype(np.int64, copy=False), \
                 values.astype(np.int64, copy=False)
             fields[f] = (feature + ".lengths", feature + ".values")
-    n_ids = sum(v.size for _, v in bags.values())
+    n_ids = sum(v.size for _, v in bags.values()) + n * len(ones)
     if n_ids > config.max_ids_per_request:
         raise PayloadTooLarge(f"inputs: at most {config.max_ids_per_request} ids per request "
                               f"(handler.max_ids_per_request), got {n_ids}")
+    if not bags:  # the usual single-hot request: checked and laid out in a few array operations
+        return ParsedRequest.single_hot(dense, ones, {f: names[1] for f, names in fields.items()})
+    bags.update({f: (np.ones(n, dtype=np.int64), ids.astype(np.int64, copy=False)) for f, ids in ones.items()})
     return ParsedRequest.columnar(dense, bags, fields)
 
 

@@ -188,6 +188,11 @@ def test_columnar_out_of_range_id_names_its_position(config):
     batch, errors = collate([col], config)
     assert batch is None
     assert errors[0].message.startswith("feature_2.values[1]: id 40 is out of range for feature 'feature_2'")
+    hot = columns([DENSE, DENSE], feature_2=([1, 1], [3, 40]), feature_0=([1, 1], [1, 2]))  # single-hot
+    assert hot.onehot is not None and hot.onehot[0] == (0, 2)
+    batch, errors = collate([hot], config)
+    assert batch is None
+    assert errors[0].message.startswith("feature_2.values[1]: id 40 is out of range for feature 'feature_2'")
 
 
 # --- the ranking form: {"context": {...}, "candidates": [...]} ---------------------------------
