@@ -275,14 +275,18 @@ def _hot_request(n: int, dense: Sequence[float], parts: Sequence[tuple]) -> Pars
     reads positions in their key-major order."""
     features = [f for part in parts for f in part[0]]
     order = sorted(range(len(features)), key=features.__getitem__)
-    rank = np.empty(len(features), dtype=np.int64)
-    rank[order] = np.arange(len(features))
-    ids = np.empty((len(features), n), dtype=np.int64)
-    start = 0
-    for part_features, part_ids, _ in parts:
-        k = len(part_features)
-        ids[rank[start : start + k]] = part_ids if part_ids.ndim == 2 else part_ids[:, None]
-        start += k
+    if len(parts) == 1 and order == list(range(len(features))):  # e.g. keys sent in model order
+        ids = np.ascontiguousarray(parts[0][1], dtype=np.int64)
+    else:
+        rank = [0] * len(features)
+        for r, i in enumerate(order):
+            rank[i] = r
+        ids = np.empty((len(features), n), dtype=np.int64)
+        start = 0
+        for part_features, part_ids, _ in parts:
+            k = len(part_features)
+            ids[rank[start : start + k]] = part_ids if part_ids.ndim == 2 else part_ids[:, None]
+            start += k
     source = [(p, j) for p, part in enumerate(parts) for j in range(len(part[0]))]
     source = [source[i] for i in order]
 
@@ -804,14 +808,14 @@ def _collate_onehot(requests: Sequence[ParsedRequest], config: DLRMConfig, devic
     for the rest. E.g. features (0, 2) of F = 3, rows b0, b1: lengths [1, 1 | 0, 0 | 1, 1],
     values [f0 ids of b0, b1 | f2 ids of b0, b1]. None when an id is out of range: the general
     path names it (or folds it)."""
-    features = list(requests[0].onehot[0])
+    features = requests[0].onehot[0]
     ids = (requests[0].onehot[1] if len(requests) == 1
            else np.concatenate([r.onehot[1] for r in requests], axis=1))
-    if features and (ids >= _table_rows(config)[features][:, None]).any():
+    if features and (ids >= _feature_rows(config, features)).any():
         return None
     B = ids.shape[1]
     lengths = np.zeros((config.num_features, B), dtype=np.int64)
-    lengths[features] = 1
+    lengths[list(features)] = 1
     dense = np.concatenate([np.asarray(r.dense, dtype=np.float32) for r in requests]) if len(requests) > 1 \
         else np.asarray(requests[0].dense, dtype=np.float32)
     kjt = KeyedJaggedTensor(
@@ -848,6 +852,12 @@ def _out_of_range_errors(
             f"handler.id_overflow: modulo folds ids instead)"
         )
     return errors
+
+
+@functools.lru_cache(maxsize=64)
+def _feature_rows(config: DLRMConfig, features: tuple[int, ...]) -> np.ndarray:
+    """Rows of the tables of ``features``, as a column ``[k, 1]`` to compare ids ``[k, B]`` with."""
+    return _table_rows(config)[list(features)][:, None]
 
 
 @functools.lru_cache(maxsize=8)

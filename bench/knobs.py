@@ -10,7 +10,8 @@ overrides) serving the Criteo-layout archive; each is measured at the two headli
 ``--rounds`` rounds, the settings' order reversed every other round, so that a drift of the
 shared machine hits every setting alike. Reported per setting: the median over rounds of
 req/s, rows/s and p99, and each as a ratio to the shipped setting measured in the same rounds.
-Writes results/knobs.json and results/knobs.md.
+Writes results/knobs.json and results/knobs.md (--out).
+The shipped settings were chosen from the run in results/knobs-focus.* (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -46,16 +47,18 @@ SETTINGS = {
     "batchSize=32": ({}, {"batchSize": 32}),
     "batchSize=128": ({}, {"batchSize": 128}),
     "maxBatchDelay=5": ({}, {"maxBatchDelay": 5}),
+    "batchSize=128 + netty_client_threads=1": ({"netty_client_threads": 1}, {"batchSize": 128}),
 }
 POINTS = ((1, 64), (RANKING, 16))  # (request kind, concurrency)
 
 
-def build(cfg_path: Path, store: Path) -> dict[str, str]:
+def build(cfg_path: Path, store: Path, chosen: list[str]) -> dict[str, str]:
     """One archive per distinct model-config override; returns setting -> archive name."""
     import yaml
 
     names = {}
-    for name, (_, model_kw) in SETTINGS.items():
+    for name in chosen:
+        model_kw = SETTINGS[name][1]
         key = "dlrm" if not model_kw else "dlrm_" + "_".join(f"{k}{v}" for k, v in model_kw.items())
         names[name] = key
         if (store / f"{key}.mar").exists():
@@ -99,8 +102,12 @@ def main() -> int:
     ap.add_argument("--config", default=str(ROOT / "model-config.criteo.yaml"), help="model config (default: %(default)s)")
     ap.add_argument("--duration", type=float, default=6.0, help="seconds per load point (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds over all settings (default: %(default)s)")
-    ap.add_argument("--out", default=str(ROOT / "results"), help="output folder (default: %(default)s)")
+    ap.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS), metavar="NAME",
+                    help="settings to measure, beside 'shipped' (default: all: %(choices)s)")
+    ap.add_argument("--out", default=str(ROOT / "results" / "knobs"),
+                    help="output path without suffix: writes OUT.json and OUT.md (default: %(default)s)")
     args = ap.parse_args()
+    chosen = ["shipped"] + [name for name in args.settings if name != "shipped"]
 
     from dlrm_config import DLRMConfig
 
@@ -109,13 +116,13 @@ def main() -> int:
     rng = random.Random(5)
     bodies = {1: [make_kind(1, cfg, rng) for _ in range(256)], RANKING: [make_kind(RANKING, cfg, rng) for _ in range(16)]}
     started = time.perf_counter()
-    runs: dict[str, list[dict]] = {name: [] for name in SETTINGS}
+    runs: dict[str, list[dict]] = {name: [] for name in chosen}
     with tempfile.TemporaryDirectory(prefix="dlrm-knobs-") as tmp:
         tmp = Path(tmp)
         store = tmp / "store"
         store.mkdir()
-        archives = build(cfg_path, store)
-        order = list(SETTINGS)
+        archives = build(cfg_path, store, chosen)
+        order = chosen
         for r in range(args.rounds):
             for name in order if r % 2 == 0 else order[::-1]:
                 props, _ = SETTINGS[name]
@@ -146,8 +153,8 @@ def main() -> int:
         report["settings"][name] = row
     report["wall_s"] = round(time.perf_counter() - started)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "knobs.json").write_text(json.dumps(report, indent=2) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [f"TorchServe settings on {report['cpus']} CPUs, `{report['config']}`, 1 worker; median of "
              f"{args.rounds} rounds of {args.duration:g} s per point; `vs shipped`: req/s over the shipped "
              "setting's in the same round (median).", "",
@@ -157,9 +164,9 @@ def main() -> int:
         s, k = row["single_c64"], row["ranking_c16"]
         lines.append(f"| {name} | {s['requests_per_s']:,.0f} | {s['vs_shipped']} | {s['p99_ms']} | "
                      f"{k['rows_per_s']:,.0f} | {k['vs_shipped']} | {k['p99_ms']} | {s['errors'] + k['errors']} |")
-    (out / "knobs.md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    log(f"done in {report['wall_s']} s: {out}/knobs.json, knobs.md")
+    log(f"done in {report['wall_s']} s: {out}.json, {out}.md")
     return 0
 
 

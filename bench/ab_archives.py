@@ -1,0 +1,134 @@
+#!/usr/bin/env python
+"""Two model archives served side by side by one TorchServe: did a change make serving faster?
+
+    python bench/ab_archives.py --a before.mar --b after.mar --out results/ab-single-row
+    # an archive of an older commit: git worktree add /tmp/old <commit>, then in /tmp/old
+    #   .venv/bin/python scripts/build_mar.py --config model-config.criteo.yaml --output-dir /tmp/a
+
+Both archives are registered in one TorchServe (one worker each; the shipped
+config.properties, with each archive's own model config) and loaded in turn, point by point,
+the order of A and B swapped every round, so that a drift of the shared machine hits both
+alike. A point is a request kind and a concurrency: single-row requests (``1``) or 128-row
+ranking-form requests (``ranking``) of the archive's config. Reports per point the median
+req/s and p50/p99 of each and the median over rounds of B's req/s over A's from the same
+round. Writes OUT.json and OUT.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "scripts")]
+from benchmark import RANKING, log, make_kind, rows_of  # noqa: E402
+from loadgen import run_load  # noqa: E402
+from tsctl import ROOT, Server  # noqa: E402
+
+sys.path.insert(0, str(ROOT))
+
+
+def point_of(text: str) -> tuple:
+    kind, _, c = text.partition(":")
+    return (int(kind) if kind.isdigit() else kind, int(c))
+
+
+def load(srv: Server, model: str, pool: list[bytes], rows: int, c: int, duration: float) -> dict:
+    errors = [0]
+
+    def next_request(i):
+        def check(status, _answer):
+            if status != 200:
+                errors[0] += 1
+        return pool[i % len(pool)], check
+
+    url = f"{srv.url}/predictions/{model}"
+    asyncio.run(run_load(url, next_request, c, min(2.0, duration), 100_000))  # warm-up
+    errors[0] = 0
+    res = asyncio.run(run_load(url, next_request, c, duration, 2_000_000))
+    return {"requests_per_s": res.answered / res.wall_s, "rows_per_s": res.answered * rows / res.wall_s,
+            "p50_ms": res.percentile(50), "p99_ms": res.percentile(99), "errors": errors[0] + res.transport_errors}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--a", required=True, help="archive A (.mar), e.g. built from the previous commit")
+    ap.add_argument("--b", required=True, help="archive B (.mar), e.g. built from this change")
+    ap.add_argument("--config", default=str(ROOT / "model-config.criteo.yaml"),
+                    help="the model config both archives were built from, for the requests (default: %(default)s)")
+    ap.add_argument("--points", nargs="+", default=["1:1", "1:64", f"{RANKING}:16"], metavar="KIND:C",
+                    help="request kind (1 = single row, ranking = 128-row ranking form) and concurrency "
+                         "(default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds (default: %(default)s)")
+    ap.add_argument("--duration", type=float, default=6.0, help="seconds per load (default: %(default)s)")
+    ap.add_argument("--out", required=True, help="output path without suffix: writes OUT.json and OUT.md")
+    args = ap.parse_args()
+
+    from dlrm_config import DLRMConfig
+
+    cfg = DLRMConfig.from_yaml(args.config)
+    points = [point_of(p) for p in args.points]
+    rng = random.Random(7)
+    pools = {kind: [make_kind(kind, cfg, rng) for _ in range(256 if kind == 1 else 16)] for kind, _ in points}
+    started = time.perf_counter()
+    runs = {p: {"a": [], "b": []} for p in points}
+    with tempfile.TemporaryDirectory(prefix="dlrm-ab-") as tmp:
+        store = Path(tmp) / "store"
+        store.mkdir()
+        for name in ("a", "b"):
+            shutil.copy(getattr(args, name), store / f"{name}.mar")
+        srv = Server.on_free_ports(Path(tmp) / "home", model_store=store, overrides={"load_models": "a=a.mar,b=b.mar"})
+        log(f"starting TorchServe with A={args.a} and B={args.b}")
+        srv.start()
+        try:
+            for name in ("a", "b"):
+                srv.wait_ready(name, pools[points[0][0]][0], timeout=300)
+            for r in range(args.rounds):
+                for point in points:
+                    kind, c = point
+                    for name in ("a", "b") if r % 2 == 0 else ("b", "a"):
+                        got = load(srv, name, pools[kind], rows_of(kind), c, args.duration)
+                        runs[point][name].append(got)
+                        log(f"round {r + 1}/{args.rounds} {kind}:{c} {name.upper()}: {got['requests_per_s']:,.1f} req/s, "
+                            f"p50 {got['p50_ms']:.2f} ms, p99 {got['p99_ms']:.1f} ms")
+        finally:
+            srv.stop()
+
+    report = {"command": "python bench/ab_archives.py " + " ".join(sys.argv[1:]), "a": args.a, "b": args.b,
+              "rounds": args.rounds, "duration_s": args.duration, "points": []}
+    lines = [f"A = `{args.a}`, B = `{args.b}`; one TorchServe, {args.rounds} rounds of {args.duration:g} s per "
+             "point, A and B in turn (order swapped every round); `B / A`: median over rounds of B's req/s over "
+             "A's in the same round.", "",
+             "| requests | concurrency | A req/s | B req/s | B / A | A p50 / p99 ms | B p50 / p99 ms | errors |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for (kind, c), ab in runs.items():
+        med = {n: {k: statistics.median(x[k] for x in ab[n]) for k in ("requests_per_s", "p50_ms", "p99_ms")}
+               for n in ab}
+        ratio = statistics.median(b["requests_per_s"] / a["requests_per_s"] for a, b in zip(ab["a"], ab["b"]))
+        errors = sum(x["errors"] for n in ab for x in ab[n])
+        report["points"].append({"kind": kind, "concurrency": c, "a": med["a"], "b": med["b"],
+                                 "b_over_a": round(ratio, 3), "errors": errors})
+        lines.append(f"| {'single row' if kind == 1 else f'{rows_of(kind)} rows ({kind})'} | {c} | "
+                     f"{med['a']['requests_per_s']:,.1f} | {med['b']['requests_per_s']:,.1f} | {ratio:.3f} | "
+                     f"{med['a']['p50_ms']:.2f} / {med['a']['p99_ms']:.1f} | {med['b']['p50_ms']:.2f} / "
+                     f"{med['b']['p99_ms']:.1f} | {errors} |")
+    report["wall_s"] = round(time.perf_counter() - started)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    log(f"done in {report['wall_s']} s: {out}.json, {out}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
