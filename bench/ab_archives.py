@@ -17,8 +17,6 @@ round. Writes OUT.json and OUT.md.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import random
 import shutil
 import statistics
@@ -29,8 +27,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "scripts")]
-from benchmark import RANKING, log, make_kind, rows_of  # noqa: E402
-from loadgen import run_load  # noqa: E402
+from benchmark import RANKING, log, make_kind, measure_load, rows_of, write_report  # noqa: E402
 from tsctl import ROOT, Server  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
@@ -39,23 +36,6 @@ sys.path.insert(0, str(ROOT))
 def point_of(text: str) -> tuple:
     kind, _, c = text.partition(":")
     return (int(kind) if kind.isdigit() else kind, int(c))
-
-
-def load(srv: Server, model: str, pool: list[bytes], rows: int, c: int, duration: float) -> dict:
-    errors = [0]
-
-    def next_request(i):
-        def check(status, _answer):
-            if status != 200:
-                errors[0] += 1
-        return pool[i % len(pool)], check
-
-    url = f"{srv.url}/predictions/{model}"
-    asyncio.run(run_load(url, next_request, c, min(2.0, duration), 100_000))  # warm-up
-    errors[0] = 0
-    res = asyncio.run(run_load(url, next_request, c, duration, 2_000_000))
-    return {"requests_per_s": res.answered / res.wall_s, "rows_per_s": res.answered * rows / res.wall_s,
-            "p50_ms": res.percentile(50), "p99_ms": res.percentile(99), "errors": errors[0] + res.transport_errors}
 
 
 def main() -> int:
@@ -95,7 +75,7 @@ def main() -> int:
                 for point in points:
                     kind, c = point
                     for name in ("a", "b") if r % 2 == 0 else ("b", "a"):
-                        got = load(srv, name, pools[kind], rows_of(kind), c, args.duration)
+                        got = measure_load(f"{srv.url}/predictions/{name}", pools[kind], rows_of(kind), c, args.duration)
                         runs[point][name].append(got)
                         log(f"round {r + 1}/{args.rounds} {kind}:{c} {name.upper()}: {got['requests_per_s']:,.1f} req/s, "
                             f"p50 {got['p50_ms']:.2f} ms, p99 {got['p99_ms']:.1f} ms")
@@ -121,12 +101,7 @@ def main() -> int:
                      f"{med['a']['p50_ms']:.2f} / {med['a']['p99_ms']:.1f} | {med['b']['p50_ms']:.2f} / "
                      f"{med['b']['p99_ms']:.1f} | {errors} |")
     report["wall_s"] = round(time.perf_counter() - started)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    log(f"done in {report['wall_s']} s: {out}.json, {out}.md")
+    write_report(Path(args.out), report, lines)
     return 0
 
 

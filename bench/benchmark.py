@@ -258,13 +258,14 @@ def bench_handler(handler, cfg, seconds: float) -> list[dict]:
         bodies = [make_kind(kind, cfg, rng) for _ in range(n_req)]
         data = [{"body": b} for b in bodies]
         ctx = _Context(".", None)
-        parse = handler.parser.parse
         if kind == V2_BINARY:  # as on KServe's v2 route: a Host header, no url_path
             length = str(v2_header_length(bodies[0]))
             ctx = _Context(".", None, {"Host": "127.0.0.1", BINARY_HEADER: length})
 
             def parse(b, length=length):
                 return open_request(b, True, length, handler.parser, ("dlrm", "1.0")).parse()
+        else:
+            parse = handler.parser.parse
         # Overhead from the same calls: handle()'s wall time less the forward phase that the
         # handler itself timed in that call (no noise from pairing separate samples).
         paired = []
@@ -342,6 +343,43 @@ def build_archives(cfg_path: Path, store: Path) -> None:
                    env={**os.environ, "TMPDIR": str(store)})
 
 
+def request_loop(pool: list[bytes]):
+    """``next_request`` for run_load, cycling through ``pool``, and a list whose [0] counts the
+    answers other than 200."""
+    errors = [0]
+
+    def next_request(i):
+        def check(status, _answer):
+            if status != 200:
+                errors[0] += 1
+        return pool[i % len(pool)], check
+
+    return next_request, errors
+
+
+def warm_up(url: str, next_request, concurrency: int, duration: float) -> None:
+    asyncio.run(run_load(url, next_request, concurrency, min(2.0, duration), 100_000))
+
+
+def measure_load(url: str, pool: list[bytes], rows: int, concurrency: int, duration: float) -> dict:
+    """A warm-up, then ``duration`` s of closed-loop load: req/s, rows/s, p50, p99, errors."""
+    next_request, errors = request_loop(pool)
+    warm_up(url, next_request, concurrency, duration)
+    errors[0] = 0
+    res = asyncio.run(run_load(url, next_request, concurrency, duration, 2_000_000))
+    return {"requests_per_s": res.answered / res.wall_s, "rows_per_s": res.answered * rows / res.wall_s,
+            "p50_ms": res.percentile(50), "p99_ms": res.percentile(99), "errors": errors[0] + res.transport_errors}
+
+
+def write_report(out: Path, report: dict, lines: list[str]) -> None:
+    """OUT.json (the report) and OUT.md (its table, also printed)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    log(f"done in {report['wall_s']} s: {out}.json, {out}.md")
+
+
 def bench_served(srv: Server, model: str, bodies: dict, duration: float, profile_to: Path | None = None,
                  points: list | None = None) -> list[dict]:
     """Each (request kind, concurrency) point, by default every kind in ``bodies`` (1 and
@@ -352,16 +390,9 @@ def bench_served(srv: Server, model: str, bodies: dict, duration: float, profile
         pool = bodies[kind]
         rows = rows_of(kind)
         url = f"{srv.url}/predictions/{model}"
-        errors = [0]
-
-        def next_request(i, pool=pool):
-            def check(status, _answer):
-                if status != 200:
-                    errors[0] += 1
-            return pool[i % len(pool)], check
-
-        # warm-up, then the measured run
-        asyncio.run(run_load(url, next_request, c, min(2.0, duration), 100_000))
+        next_request, errors = request_loop(pool)
+        warm_up(url, next_request, c, duration)  # then the measured run
+        errors[0] = 0
         spy = None
         raw_profile = None
         if profile_to and rows == 1 and c in (CONCURRENCY[0], CONCURRENCY[-1]):

@@ -17,8 +17,6 @@ The shipped settings were chosen from the run in results/knobs-focus.* (docs/per
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import os
 import random
 import statistics
@@ -30,8 +28,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "scripts")]
-from benchmark import RANKING, RANKING_ROWS, log, make_kind  # noqa: E402
-from loadgen import run_load  # noqa: E402
+from benchmark import RANKING, log, make_kind, measure_load, rows_of, write_report  # noqa: E402
 from tsctl import ROOT, Server  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
@@ -75,26 +72,9 @@ def build(cfg_path: Path, store: Path, chosen: list[str]) -> dict[str, str]:
 
 
 def measure(srv: Server, model: str, bodies: dict, duration: float) -> dict:
-    out = {}
-    for kind, c in POINTS:
-        pool = bodies[kind]
-        rows = RANKING_ROWS if kind == RANKING else kind
-        errors = [0]
-
-        def next_request(i, pool=pool):
-            def check(status, _answer):
-                if status != 200:
-                    errors[0] += 1
-            return pool[i % len(pool)], check
-
-        url = f"{srv.url}/predictions/{model}"
-        asyncio.run(run_load(url, next_request, c, min(2.0, duration), 100_000))  # warm-up
-        errors[0] = 0
-        res = asyncio.run(run_load(url, next_request, c, duration, 2_000_000))
-        out[f"{'single' if rows == 1 else 'ranking'}_c{c}"] = {
-            "requests_per_s": res.answered / res.wall_s, "rows_per_s": res.answered * rows / res.wall_s,
-            "p99_ms": res.percentile(99), "errors": errors[0] + res.transport_errors}
-    return out
+    url = f"{srv.url}/predictions/{model}"
+    return {f"{'single' if kind == 1 else 'ranking'}_c{c}": measure_load(url, bodies[kind], rows_of(kind), c, duration)
+            for kind, c in POINTS}
 
 
 def main() -> int:
@@ -152,9 +132,6 @@ def main() -> int:
                           "errors": sum(x[point]["errors"] for x in rs)}
         report["settings"][name] = row
     report["wall_s"] = round(time.perf_counter() - started)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [f"TorchServe settings on {report['cpus']} CPUs, `{report['config']}`, 1 worker; median of "
              f"{args.rounds} rounds of {args.duration:g} s per point; `vs shipped`: req/s over the shipped "
              "setting's in the same round (median).", "",
@@ -164,9 +141,7 @@ def main() -> int:
         s, k = row["single_c64"], row["ranking_c16"]
         lines.append(f"| {name} | {s['requests_per_s']:,.0f} | {s['vs_shipped']} | {s['p99_ms']} | "
                      f"{k['rows_per_s']:,.0f} | {k['vs_shipped']} | {k['p99_ms']} | {s['errors'] + k['errors']} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    log(f"done in {report['wall_s']} s: {out}.json, {out}.md")
+    write_report(Path(args.out), report, lines)
     return 0
 
 
