@@ -260,7 +260,7 @@ class _Context:
 
     def dense_rows(self, n: int) -> np.ndarray:
         """The context's dense, once per row, row-major."""
-        return np.tile(np.asarray(self.dense, dtype=np.float32), n)
+        return np.asarray(self.dense, dtype=np.float32)[None, :].repeat(n, axis=0).reshape(-1)
 
     def part(self) -> tuple:
         """The context as a part of _hot_request (single-hot: id j is key j's)."""
