@@ -195,10 +195,8 @@ class ParsedRequest:
             if total and int(values.min()) < 0:
                 raise BadRequest(f"{values_field}[{int(np.argmax(values < 0))}]: expected a non-negative integer, "
                                  f"got {int(values[values < 0][0])}")
-        if single_hot:  # one id per row: the id of row r is at r
-            return _hot_request(n, np.ascontiguousarray(dense, dtype=np.float32).reshape(-1), [(
-                feats, np.stack([bags[f][1] for f in feats]) if feats else np.zeros((0, n), dtype=np.int64),
-                lambda j, row: f"{fields[feats[j]][1]}[{row}]")])
+        if single_hot:
+            return cls.single_hot(dense, {f: bags[f][1] for f in feats}, {f: fields[f][1] for f in feats})
         starts = list(itertools.accumulate((len(bags[f][1]) for f in feats), initial=0))
 
         def id_field(pos: int) -> str:
