@@ -92,6 +92,27 @@ def test_single_id_form_is_one_id_per_row(handler):
     assert json.loads(out[0])["outputs"][0]["data"] == json.loads(out[1])["scores"]
 
 
+def single_hot_inputs(f0=(3, 5), f2=(1, 0)):
+    """Every feature one id per row (INT32 and INT64 mixed): the single-hot shortcut's input."""
+    return [{"name": "dense", "datatype": "FP32", "shape": [2, 5], "data": DENSE},
+            {"name": "feature_2", "datatype": "INT32", "shape": [2], "data": list(f2)},
+            {"name": "feature_0", "datatype": "INT64", "shape": [2, 1], "data": [[i] for i in f0]}]
+
+
+def test_all_single_id_inputs_score_as_rows_and_name_bad_ids(handler):
+    rows = [instance(DENSE[0], feature_0=[3], feature_2=[1]), instance(DENSE[1], feature_0=[5], feature_2=[0])]
+    raw, n = binary(single_hot_inputs())
+    bad_neg, n_neg = binary(single_hot_inputs(f2=(1, -2)))
+    out, ctx = run(handler, [("kserve", raw, {"Inference-Header-Content-Length": str(n)}),
+                             ("predictions", json.dumps({"instances": rows}).encode(), {}),
+                             ("kserve", json.dumps({"inputs": single_hot_inputs(f0=(3, 20))}).encode(), {}),
+                             ("kserve", bad_neg, {"Inference-Header-Content-Length": str(n_neg)})])
+    assert ctx.statuses == {2: (400, "Bad Request"), 3: (400, "Bad Request")}
+    assert json.loads(out[0])["outputs"][0]["data"] == json.loads(out[1])["scores"]
+    assert json.loads(out[2])["error"].startswith("feature_0[1]: id 20 is out of range for feature 'feature_0'")
+    assert json.loads(out[3])["error"] == "feature_2[1]: expected a non-negative integer, got -2"
+
+
 @pytest.mark.parametrize("inputs, message", [
     (v2_inputs(dense={"shape": [5, 2]}), "dense: expected FP32 shape [B, 5], got FP32 [5, 2]"),
     (v2_inputs(dense={"datatype": "INT64", "data": [[1] * 5] * 2}), "dense: expected FP32 shape [B, 5], got INT64 [2, 5]"),
