@@ -549,9 +549,8 @@ class RequestParser:
         # All features at once, in the order sent (already key-major within the request).
         k, counts = len(feats), list(map(len, value_lists))
         values = np.fromiter(itertools.chain.from_iterable(value_lists), np.int64, sum(counts))
-        if all(lengths is None for lengths in length_lists):
-            lengths, single_hot = np.ones(k * n, dtype=np.int64), True
-        else:
+        single_hot = all(lengths is None for lengths in length_lists)
+        if not single_hot:
             lengths = np.fromiter(itertools.chain.from_iterable(
                 itertools.repeat(1, n) if x is None else x for x in length_lists), np.int64, k * n)
             sums = lengths.reshape(k, n).sum(1)
@@ -562,11 +561,8 @@ class RequestParser:
             single_hot = bool((lengths == 1).all())
         dense = dense.reshape(-1)
         if single_hot:  # one id per row: the id of row r is at r
-            own = (feats, values.reshape(k, n), lambda j, row: f"{names[j]}.values[{row}]")
-            if ctx.single_hot():
-                return _hot_request(n, ctx.dense_rows(n) if ctx.dense is not None else dense,
-                                    [own] + ([ctx.part()] if ctx.features else []))
-            return ctx.join(_hot_request(n, dense, [own]))
+            return ctx.join(_hot_request(n, dense, [(feats, values.reshape(k, n),
+                                                     lambda j, row: f"{names[j]}.values[{row}]")]))
         starts = list(itertools.accumulate(counts, initial=0))
 
         def id_field(pos: int) -> str:
