@@ -154,11 +154,19 @@ class ParsedRequest:
         n, feats = int(dense.shape[0]), list(ids)
         matrix = (np.stack([ids[f] for f in feats]).astype(np.int64, copy=False) if feats
                   else np.zeros((0, n), dtype=np.int64))
-        if matrix.size and int(matrix.min()) < 0:
-            j, row = divmod(int(np.argmax(matrix.reshape(-1) < 0)), n)
-            raise BadRequest(f"{fields[feats[j]]}[{row}]: expected a non-negative integer, got {int(matrix[j, row])}")
+        return cls.single_hot_matrix(dense, feats, matrix, [fields[f] for f in feats])
+
+    @classmethod
+    def single_hot_matrix(cls, dense: np.ndarray, features: Sequence[int], ids: np.ndarray,
+                          names: Sequence[str]) -> "ParsedRequest":
+        """single_hot's rows with the ids already in one int64 ``[k, n]`` array: row j holds
+        the ids of features[j], named ``names[j]`` in messages (features in any order)."""
+        n = int(dense.shape[0])
+        if ids.size and int(ids.min()) < 0:
+            j, row = divmod(int(np.argmax(ids.reshape(-1) < 0)), n)
+            raise BadRequest(f"{names[j]}[{row}]: expected a non-negative integer, got {int(ids[j, row])}")
         return _hot_request(n, np.ascontiguousarray(dense, dtype=np.float32).reshape(-1),
-                            [(feats, matrix, lambda j, row: f"{fields[feats[j]]}[{row}]")])
+                            [(features, ids, lambda j, row: f"{names[j]}[{row}]")])
 
     @classmethod
     def columnar(

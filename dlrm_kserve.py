@@ -25,6 +25,7 @@ answer is binary when the request asks for it (``binary_data_output`` or an outp
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -200,6 +201,10 @@ def _v2_message(msgspec_error: str) -> str:
 
 def _columns(req: _InferRequest, tail: memoryview, config: DLRMConfig) -> ParsedRequest:
     """The v2 inputs -> ParsedRequest.columnar; every message names the input."""
+    if len(tail):
+        fast = _binary_single_hot(req, tail, config)
+        if fast is not None:
+            return fast
     arrays: dict[str, np.ndarray] = {}
     offset = 0
     for t in req.inputs:
@@ -270,6 +275,53 @@ def _columns(req: _InferRequest, tail: memoryview, config: DLRMConfig) -> Parsed
         return ParsedRequest.single_hot(dense, ones, {f: names[1] for f, names in fields.items()})
     bags.update({f: (np.ones(n, dtype=np.int64), ids.astype(np.int64, copy=False)) for f, ids in ones.items()})
     return ParsedRequest.columnar(dense, bags, fields)
+
+
+def _binary_single_hot(req: _InferRequest, tail: memoryview, config: DLRMConfig) -> ParsedRequest | None:
+    """The usual binary request (tritonclient's), read in a few array operations: FP32 dense
+    ``[n, F_dense]`` and, per feature sent, an INT64 input of shape ``[n]`` or ``[n, 1]`` (one id
+    per row), the id inputs back to back in the tail. Reading input by input costs ~5 numpy
+    calls each (over 100 for Criteo's 26 features), and right after a forward each call costs
+    ~10-20 µs. None when the request is anything else or anything in it is wrong: the general
+    path then reads it or names what is wrong."""
+    F, index = config.num_dense_features, _feature_index(config)
+    spans, offset = [], 0  # (input, where its data starts in the tail, its size)
+    for t in req.inputs:
+        size = t.parameters.get("binary_data_size") if t.parameters else None
+        if type(size) is not int or len(t.data):
+            return None
+        spans.append((t, offset, size))
+        offset += size
+    dense_spans = [s for s in spans if s[0].name == "dense"]
+    if offset != len(tail) or len(dense_spans) != 1:
+        return None
+    t, dense_at, size = dense_spans[0]
+    n = t.shape[0] if t.datatype == "FP32" and len(t.shape) == 2 and t.shape[1] == F else 0
+    if not 1 <= n <= config.max_instances_per_request or size != 4 * n * F:
+        return None
+    id_spans = [s for s in spans if s[0].name != "dense"]
+    ids_at = id_spans[0][1] if id_spans else 0
+    features, names = [], []
+    for j, (t, at, size) in enumerate(id_spans):
+        f = index.get(t.name)
+        if (f is None or f in features or t.datatype != "INT64" or t.shape not in ([n], [n, 1]) or size != 8 * n
+                or at != ids_at + 8 * n * j):  # the id inputs back to back
+            return None
+        features.append(f)
+        names.append(t.name)
+    k = len(features)
+    if n * k > config.max_ids_per_request:
+        return None
+    dense = np.frombuffer(tail, "<f4", n * F, dense_at).astype(np.float32)  # a copy: torch wants it writable
+    if not np.isfinite(dense).all():
+        return None
+    ids = np.frombuffer(tail, "<i8", n * k, ids_at).astype(np.int64).reshape(k, n)
+    return ParsedRequest.single_hot_matrix(dense.reshape(n, F), features, ids, names)
+
+
+@functools.lru_cache(maxsize=8)
+def _feature_index(config: DLRMConfig) -> dict[str, int]:
+    return {name: f for f, name in enumerate(config.sparse_features)}
 
 
 def _tensor(t: _Tensor, tail: memoryview, offset: int) -> tuple[np.ndarray, int]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -111,6 +112,49 @@ def test_all_single_id_inputs_score_as_rows_and_name_bad_ids(handler):
     assert json.loads(out[0])["outputs"][0]["data"] == json.loads(out[1])["scores"]
     assert json.loads(out[2])["error"].startswith("feature_0[1]: id 20 is out of range for feature 'feature_0'")
     assert json.loads(out[3])["error"] == "feature_2[1]: expected a non-negative integer, got -2"
+
+
+def int64_inputs(f0=(3, 5), f2=(1, 0), dense=DENSE, dense_at=0):
+    """tritonclient's usual request: FP32 dense and one INT64 id input per feature (features out
+    of model order, one shaped [n, 1]); ``dense_at``: the position of the dense input."""
+    ids = [{"name": "feature_2", "datatype": "INT64", "shape": [2], "data": list(f2)},
+           {"name": "feature_0", "datatype": "INT64", "shape": [2, 1], "data": [[i] for i in f0]}]
+    return ids[:dense_at] + [{"name": "dense", "datatype": "FP32", "shape": [2, 5], "data": dense}] + ids[dense_at:]
+
+
+def test_binary_int64_single_hot_is_read_whole_and_matches_the_general_path(handler):
+    """The usual binary request is read in a few array operations (_binary_single_hot); every
+    other layout (dense between the id inputs, INT32 ids, JSON data) takes the input-by-input
+    path. Both give the same scores and the same messages."""
+    from dlrm_kserve import _INFER, _binary_single_hot
+
+    def fast(inputs):
+        raw, n = binary(inputs)
+        return _binary_single_hot(_INFER.decode(raw[:n]), memoryview(raw)[n:], handler.config) is not None
+
+    assert fast(int64_inputs()) and fast(int64_inputs(dense_at=2))
+    assert not fast(int64_inputs(dense_at=1)) and not fast(single_hot_inputs())
+
+    def kserve(inputs, as_binary=True):
+        if not as_binary:
+            return ("kserve", json.dumps({"inputs": inputs}).encode(), {})
+        raw, n = binary(copy.deepcopy(inputs))  # binary() moves each input's data into the tail
+        return ("kserve", raw, {"Inference-Header-Content-Length": str(n)})
+
+    rows = [instance(DENSE[0], feature_0=[3], feature_2=[1]), instance(DENSE[1], feature_0=[5], feature_2=[0])]
+    out, ctx = run(handler, [("predictions", json.dumps({"instances": rows}).encode(), {})]
+                   + [kserve(int64_inputs(dense_at=at)) for at in (0, 2, 1)] + [kserve(int64_inputs(), False)])
+    assert ctx.statuses == {}
+    want = json.loads(out[0])["scores"]
+    assert len(set(want)) == 2 and all(json.loads(o)["outputs"][0]["data"] == want for o in out[1:])
+
+    nan = [list(DENSE[0]), [1.0, 0.0, float("nan"), 0.125, 3.0]]
+    for bad, message in ((int64_inputs(f2=(1, -2)), "feature_2[1]: expected a non-negative integer, got -2"),
+                         (int64_inputs(f0=(3, 20)), "feature_0[1]: id 20 is out of range for feature 'feature_0'"),
+                         (int64_inputs(dense=nan), "dense: expected finite FP32 numbers, got nan at [1, 2]")):
+        out, ctx = run(handler, [kserve(bad), kserve(bad, as_binary=False)] if "nan" not in message else [kserve(bad)])
+        assert set(ctx.statuses.values()) == {(400, "Bad Request")} and len(ctx.statuses) == len(out)
+        assert all(json.loads(o)["error"].startswith(message) for o in out), out
 
 
 @pytest.mark.parametrize("inputs, message", [

@@ -200,6 +200,10 @@ CASES = [
     ("single-hot column beside a context", js({"context": instance(DENSE, feature_2=[5]),
                                                "columns": {"sparse": {"feature_1": {"values": [3, 30]}}}}), 400,
      "columns.sparse.feature_1.values[1]:", "id 30 is out of range for feature 'feature_1'"),
+    ("single-hot context id beside columns", js({"context": {"dense": DENSE, "sparse": {
+        "keys": ["feature_2", "feature_1"], "values": [4, 40], "lengths": [1, 1]}},
+        "columns": {"sparse": {"feature_0": {"values": [3, 5]}}}}), 400,
+     "context.sparse.values[1]:", "id 40 is out of range for feature 'feature_1'"),
     ("single-hot negative candidate id", js(ranking(cands=[{"feature_0": [1]}, {"feature_0": [-2]}])), 400,
      "candidates[1].sparse.values[0]:", "expected a non-negative integer, got -2"),
     ("too many columns rows", js({"columns": {"dense": [DENSE] * 9}}), 413, "columns.dense:", "at most 8 rows"),
