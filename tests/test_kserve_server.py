@@ -292,3 +292,31 @@ def test_binary_answer_only_when_asked(server, reference):
     assert status == 200 and hdrs["content-type"] == "application/octet-stream"
     assert np.frombuffer(body[n:], "<f4").shape == (2,)
     assert json.loads(body[:n])["outputs"][0]["parameters"] == {"binary_data_size": 8}
+
+
+def test_tritonclient_single_hot_request_is_read_whole_and_scores_as_its_rows(server):
+    """tritonclient's usual Criteo-style request (FP32 dense, one INT64 id per row for each
+    feature, binary) has the layout of the parser's whole-tail path (_binary_single_hot), and
+    over a real TorchServe it scores as the same rows sent to /predictions."""
+    import tritonclient.http as httpclient
+    from dlrm_kserve import _INFER, _binary_single_hot
+
+    tensors = {"dense": DENSE_ROWS, "feature_2": np.array([1, 0], np.int64), "feature_0": np.array([[3], [5]], np.int64)}
+    inputs = []
+    for name, arr in tensors.items():
+        t = httpclient.InferInput(name, list(arr.shape), "FP32" if name == "dense" else "INT64")
+        t.set_data_from_numpy(arr)
+        inputs.append(t)
+    body, n = httpclient.InferenceServerClient.generate_request_body(inputs)
+    assert _binary_single_hot(_INFER.decode(body[:n]), memoryview(body)[n:], tiny_config()) is not None
+    client = httpclient.InferenceServerClient(server.url.removeprefix("http://"), network_timeout=60)
+    try:
+        got = client.infer("dlrm", inputs).as_numpy("scores")[:, 0]
+    finally:
+        client.close()
+    rows = [instance(DENSE_ROWS[0].tolist(), feature_0=[3], feature_2=[1]),
+            instance(DENSE_ROWS[1].tolist(), feature_0=[5], feature_2=[0])]
+    status, raw, _ = rest(server, "/predictions/dlrm", json.dumps({"instances": rows}).encode())
+    want = json.loads(raw)["scores"]
+    assert status == 200 and len(set(want)) == 2
+    assert np.allclose(got, want, atol=1e-6, rtol=0), (got, want)
