@@ -661,7 +661,8 @@ def plot(report, path: Path) -> None:
         axes[0].plot([r["concurrency"] * rows for r in pts], [r["rows_per_s"] for r in pts], style,
                      label=f"served, {rows}-row {form} requests (x: rows in flight)")
     axes[0].set(xscale="log", xlabel="batch (rows)", ylabel="rows/s", title="Rows per second")
-    axes[0].legend(fontsize=8)
+    axes[0].set_ylim(0, axes[0].get_ylim()[1] * 1.9)  # room above the lines for the legend
+    axes[0].legend(fontsize=7, loc="upper left")
     for ax, key, title in ((axes[1], "requests_per_s", "Requests/s, single-row"), (axes[2], "p99_ms", "p99 latency (ms), single-row")):
         for model in ("dlrm", "echo"):
             pts = [r for r in report["served"] if r["model"] == model and r["rows_per_request"] == 1]
