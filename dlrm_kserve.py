@@ -233,7 +233,7 @@ def _columns(req: _InferRequest, tail: memoryview, config: DLRMConfig) -> Parsed
         raise BadRequest(f"dense: expected finite FP32 numbers, got {dense.reshape(-1)[bad]} at "
                          f"[{bad // dense.shape[1]}, {bad % dense.shape[1]}]")
 
-    index = {name: f for f, name in enumerate(config.sparse_features)}
+    index = _feature_index(config)
     bags, ones, fields = {}, {}, {}  # ones: features sent as one id per row
     for name in list(arrays):
         base, dot, part = name.rpartition(".")
