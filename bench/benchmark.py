@@ -367,10 +367,10 @@ def warm_up(url: str, next_request, concurrency: int, duration: float) -> None:
 
 def warm_up_server(srv: Server, models: list[str], bodies: dict, seconds: float) -> None:
     """Load every model with single-row and 128-row requests before the first measured point.
-    The frontend's JVM compiles its hot paths under load for tens of seconds: measured on this
-    kit, its C2 compiler thread took ~1.4 ms of CPU per request in the first 10 s of c=1 load
-    and ~0.4-0.8 ms in later ones. Without this, the first points (the DLRM's c=1) pay for it
-    and the echo points, measured last, do not."""
+    The frontend's JVM compiles its hot paths under load for minutes: on a 2-core machine its
+    compiler threads took ~2 ms of CPU per request at the first point (the DLRM's c=1) without
+    this, ~1.2 ms after 40 s of it, and tens of µs at the echo points measured last (column
+    "its JIT")."""
     if seconds <= 0:
         return
     log(f"warming TorchServe up: {seconds:.0f} s of load over {len(models)} models")
