@@ -25,7 +25,6 @@ answer is binary when the request asks for it (``binary_data_output`` or an outp
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import re
@@ -35,7 +34,6 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from dlrm_config import DLRMConfig
 from dlrm_core import ParsedRequest, RequestParser, error_body, response_body
 from dlrm_errors import BadRequest, PayloadTooLarge, RequestError
 
@@ -137,7 +135,7 @@ class OIPv2(KServeV1):
             if out.name != OUTPUT:
                 raise BadRequest(f"outputs: unknown output {out.name!r}; this model has one output, {OUTPUT!r}")
             self.binary_output = _flag(out.parameters, "binary_data")
-        return _columns(req, raw, self.parser.config)
+        return _columns(req, raw, self.parser)
 
     def answer(self, row_scores: list[float]) -> Reply:
         out = {"name": OUTPUT, "datatype": "FP32", "shape": [len(row_scores), 1]}
@@ -199,10 +197,11 @@ def _v2_message(msgspec_error: str) -> str:
     return f"{where}: {text[:1].lower()}{text[1:]}"
 
 
-def _columns(req: _InferRequest, tail: memoryview, config: DLRMConfig) -> ParsedRequest:
+def _columns(req: _InferRequest, tail: memoryview, parser: RequestParser) -> ParsedRequest:
     """The v2 inputs -> ParsedRequest.columnar; every message names the input."""
+    config = parser.config
     if len(tail):
-        fast = _binary_single_hot(req, tail, config)
+        fast = _binary_single_hot(req, tail, parser)
         if fast is not None:
             return fast
     arrays: dict[str, np.ndarray] = {}
@@ -233,7 +232,7 @@ def _columns(req: _InferRequest, tail: memoryview, config: DLRMConfig) -> Parsed
         raise BadRequest(f"dense: expected finite FP32 numbers, got {dense.reshape(-1)[bad]} at "
                          f"[{bad // dense.shape[1]}, {bad % dense.shape[1]}]")
 
-    index = _feature_index(config)
+    index = parser.feature_index
     bags, ones, fields = {}, {}, {}  # ones: features sent as one id per row
     for name in list(arrays):
         base, dot, part = name.rpartition(".")
@@ -277,14 +276,15 @@ def _columns(req: _InferRequest, tail: memoryview, config: DLRMConfig) -> Parsed
     return ParsedRequest.columnar(dense, bags, fields)
 
 
-def _binary_single_hot(req: _InferRequest, tail: memoryview, config: DLRMConfig) -> ParsedRequest | None:
+def _binary_single_hot(req: _InferRequest, tail: memoryview, parser: RequestParser) -> ParsedRequest | None:
     """The usual binary request (tritonclient's), read in a few array operations: FP32 dense
     ``[n, F_dense]`` and, per feature sent, an INT64 input of shape ``[n]`` or ``[n, 1]`` (one id
     per row), the id inputs back to back in the tail. Reading input by input costs ~5 numpy
     calls each (over 100 for Criteo's 26 features), and right after a forward each call costs
     ~10-20 µs. None when the request is anything else or anything in it is wrong: the general
     path then reads it or names what is wrong."""
-    F, index = config.num_dense_features, _feature_index(config)
+    config, index = parser.config, parser.feature_index
+    F = config.num_dense_features
     spans, offset = [], 0  # (input, where its data starts in the tail, its size)
     for t in req.inputs:
         size = t.parameters.get("binary_data_size") if t.parameters else None
@@ -317,11 +317,6 @@ def _binary_single_hot(req: _InferRequest, tail: memoryview, config: DLRMConfig)
         return None
     ids = np.frombuffer(tail, "<i8", n * k, ids_at).astype(np.int64).reshape(k, n)
     return ParsedRequest.single_hot_matrix(dense.reshape(n, F), features, ids, names)
-
-
-@functools.lru_cache(maxsize=8)
-def _feature_index(config: DLRMConfig) -> dict[str, int]:
-    return {name: f for f, name in enumerate(config.sparse_features)}
 
 
 def _tensor(t: _Tensor, tail: memoryview, offset: int) -> tuple[np.ndarray, int]:

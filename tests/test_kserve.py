@@ -130,7 +130,7 @@ def test_binary_int64_single_hot_is_read_whole_and_matches_the_general_path(hand
 
     def fast(inputs):
         raw, n = binary(inputs)
-        return _binary_single_hot(_INFER.decode(raw[:n]), memoryview(raw)[n:], handler.config) is not None
+        return _binary_single_hot(_INFER.decode(raw[:n]), memoryview(raw)[n:], handler.parser) is not None
 
     assert fast(int64_inputs()) and fast(int64_inputs(dense_at=2))
     assert not fast(int64_inputs(dense_at=1)) and not fast(single_hot_inputs())

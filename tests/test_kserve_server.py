@@ -299,6 +299,7 @@ def test_tritonclient_single_hot_request_is_read_whole_and_scores_as_its_rows(se
     feature, binary) has the layout of the parser's whole-tail path (_binary_single_hot), and
     over a real TorchServe it scores as the same rows sent to /predictions."""
     import tritonclient.http as httpclient
+    from dlrm_core import RequestParser
     from dlrm_kserve import _INFER, _binary_single_hot
 
     tensors = {"dense": DENSE_ROWS, "feature_2": np.array([1, 0], np.int64), "feature_0": np.array([[3], [5]], np.int64)}
@@ -308,7 +309,7 @@ def test_tritonclient_single_hot_request_is_read_whole_and_scores_as_its_rows(se
         t.set_data_from_numpy(arr)
         inputs.append(t)
     body, n = httpclient.InferenceServerClient.generate_request_body(inputs)
-    assert _binary_single_hot(_INFER.decode(body[:n]), memoryview(body)[n:], tiny_config()) is not None
+    assert _binary_single_hot(_INFER.decode(body[:n]), memoryview(body)[n:], RequestParser(tiny_config())) is not None
     client = httpclient.InferenceServerClient(server.url.removeprefix("http://"), network_timeout=60)
     try:
         got = client.infer("dlrm", inputs).as_numpy("scores")[:, 0]
