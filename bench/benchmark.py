@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark the serving path against the model's own speed and TorchServe's own ceiling.
 
-    python bench/benchmark.py                  # what `make bench` runs; ~5-8 minutes
+    python bench/benchmark.py                  # what `make bench` runs; ~10 minutes
     python bench/benchmark.py --duration 3     # a quick look
 
 One run, one machine, five parts (the Criteo-layout config by default):
