@@ -12,6 +12,10 @@ SOURCES := dlrm_handler.py dlrm_factory.py dlrm_core.py dlrm_config.py dlrm_erro
 # A trained checkpoint to serve (docs/trained-models.md): a .pt/.pth file or a DCP directory,
 # whose files the archive then depends on.
 CHECKPOINT ?=
+# Requests with the trainer's own scores (JSON lines; scripts/train.py writes verify.jsonl): the
+# build proves the archive against them and fails, leaving no archive, on any difference.
+VERIFY ?=
+VERIFY_ARG = $(if $(VERIFY),--verify $(VERIFY))
 CKPT_FILES := $(if $(CHECKPOINT),$(or $(wildcard $(CHECKPOINT)/.metadata $(CHECKPOINT)/*),$(CHECKPOINT)))
 
 .PHONY: help venv mar serve ready rollout rollback stop test unit integration bench knobs soak faults clean FORCE
@@ -26,8 +30,8 @@ help:  ## list the targets
 
 # Rebuilt when a source, the config or the checkpoint changes; CONFIG=model-config.criteo.yaml for
 # Criteo, CONFIG=model-config.dlrmv2.yaml for MLPerf DLRMv2.
-$(MAR): $(SOURCES) $(CONFIG) $(CKPT_FILES) model_store/.config | venv
-	$(PY) scripts/build_mar.py --config $(CONFIG) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) --force
+$(MAR): $(SOURCES) $(CONFIG) $(CKPT_FILES) $(VERIFY) model_store/.config | venv
+	$(PY) scripts/build_mar.py --config $(CONFIG) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(VERIFY_ARG) --force
 
 # Records which config and checkpoint the archive was built from, so switching either rebuilds it.
 model_store/.config: FORCE
@@ -35,8 +39,8 @@ model_store/.config: FORCE
 
 FORCE:
 
-mar: venv  ## build model_store/dlrm.mar from CONFIG (and CHECKPOINT)
-	$(PY) scripts/build_mar.py --config $(CONFIG) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) --force
+mar: venv  ## build model_store/dlrm.mar from CONFIG (and CHECKPOINT, proven with VERIFY)
+	$(PY) scripts/build_mar.py --config $(CONFIG) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(VERIFY_ARG) --force
 
 # Start TorchServe in the background (logs/), wait for the model, score a sample request.
 serve: venv $(MAR)  ## start TorchServe in the background, wait for the model, score a sample
@@ -48,7 +52,7 @@ ready:  ## readiness probe: exit 0 once the served model scores a request
 
 # Build the next model version from CONFIG and roll it out with no downtime (docs/operations.md).
 rollout: venv  ## build the next version from CONFIG and roll it out with no downtime
-	$(PY) scripts/rollout.py --config $(CONFIG) $(SAMPLE_ARG) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT))
+	$(PY) scripts/rollout.py --config $(CONFIG) $(SAMPLE_ARG) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(VERIFY_ARG)
 
 rollback: venv  ## roll back to the previous model version
 	$(PY) scripts/rollout.py --rollback $(SAMPLE_ARG)

@@ -11,15 +11,26 @@ Accepted, with no code from the user:
   (``DistributedModelParallel``, DDP) prefixes;
 - tables named ``<feature>`` or ``t_<feature>`` (torchrec's examples), else ``handler.table_names``.
 
+What a checkpoint does not record is never guessed where it changes the scores: the feature order
+comes from the file (a state_dict keeps it), a numbered sequence or ``--feature-order``; the rest
+(pooling, the dense features' order and preprocessing) is proven by ``verify_archive``
+(``--verify``): the built archive loaded as a TorchServe worker loads it, scoring the trainer's own
+requests against the trainer's own scores.
+
 The archive names every table after its feature, so the handler's load path is the same for all.
 Nothing here imports TorchServe; the archive does not ship this file.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import subprocess
+import sys
+import tempfile
 import time
+import zipfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +63,13 @@ class Checkpoint:
         """Table name -> (rows, D), in the checkpoint's order (a DCP directory keeps none: natural sort)."""
         return {k[len(TABLES):-len(".weight")]: tuple(s) for k, (s, _) in self.shapes.items()
                 if k.startswith(TABLES) and k.endswith(".weight")}
+
+    @property
+    def records_order(self) -> bool:
+        """Whether the tables come in the trainer's order: a state_dict file keeps the insertion
+        order of torchrec's ``embedding_bags`` (the ``EmbeddingBagConfig`` list, sharded or not);
+        a DCP directory's ``.metadata`` is a dict of keys with no order of its own."""
+        return not self.kind.startswith("DCP")
 
     def load(self, keys: dict[str, str]) -> dict[str, torch.Tensor]:
         """``{new_key: tensor}`` for ``keys = {new_key: key}``."""
@@ -155,11 +173,12 @@ def table_for_features(ckpt: Checkpoint, config: DLRMConfig) -> dict[str, str]:
     return out
 
 
-def plan_import(ckpt: Checkpoint, config: DLRMConfig) -> dict[str, str]:
+def plan_import(ckpt: Checkpoint, config: DLRMConfig, feature_order: list[str] | None = None) -> dict[str, str]:
     """``{archive key: checkpoint key}`` for every tensor of the DLRM that ``config`` describes,
     checked against the config's shapes before any tensor data is read. The first key that does
     not fit is a ConfigError naming it (a table by its checkpoint name and feature), its shape and
-    what the config expects."""
+    what the config expects; so is a feature order that contradicts the checkpoint's or
+    ``feature_order`` (``--feature-order``)."""
     from dlrm_factory import DLRMFactory
 
     factory = DLRMFactory(config)
@@ -190,18 +209,21 @@ def plan_import(ckpt: Checkpoint, config: DLRMConfig) -> dict[str, str]:
                 f"config that fits)"
             )
         keys[key] = key
+    _check_order(ckpt, config, tables, feature_order)
     # Layer names, shapes and dtypes, with the factory's messages (meta tensors: no data read).
     factory.check_state_dict({new: torch.empty(ckpt.shapes[old][0], dtype=ckpt.shapes[old][1], device="meta")
                               for new, old in keys.items()}, model, expected)
     return keys
 
 
-def import_checkpoint(path: str | Path, config: DLRMConfig, log: Callable[[str], None] = print) -> dict[str, torch.Tensor]:
+def import_checkpoint(path: str | Path, config: DLRMConfig, log: Callable[[str], None] = print,
+                      feature_order: list[str] | None = None) -> dict[str, torch.Tensor]:
     """The fp32 state_dict of the DLRM that ``config`` describes, its tables named after their
-    features, read from a trained checkpoint once every key and shape has been checked."""
+    features, read from a trained checkpoint once every key, shape and the feature order has been
+    checked."""
     ckpt = open_checkpoint(path)
     _say_ignored(ckpt, log)
-    keys = plan_import(ckpt, config)
+    keys = plan_import(ckpt, config, feature_order)
     started = time.perf_counter()
     state = ckpt.load(keys)
     renamed = [(old[len(TABLES):-7], new[len(TABLES):-7]) for new, old in keys.items() if new != old]
@@ -213,9 +235,10 @@ def import_checkpoint(path: str | Path, config: DLRMConfig, log: Callable[[str],
     return state
 
 
-def derive_config(ckpt: Checkpoint) -> tuple[dict, list[str], list[str]]:
+def derive_config(ckpt: Checkpoint, feature_order: list[str] | None = None) -> tuple[dict, list[str], list[str]]:
     """The ``handler:`` section that fits ``ckpt``, read off its key names and shapes, plus what
-    was derived and what had to be assumed (one line each)."""
+    was derived and what had to be assumed (one line each). The feature order is never assumed
+    (``feature_order_of``)."""
     tables = ckpt.tables
     if not tables:
         raise ConfigError(f"{ckpt.path}: no embedding tables ({TABLES}<table>.weight) in the checkpoint; "
@@ -225,8 +248,9 @@ def derive_config(ckpt: Checkpoint) -> tuple[dict, list[str], list[str]]:
         raise ConfigError(f"{ckpt.path}: the tables have different embedding dims {sorted(dims)}; a torchrec DLRM "
                           f"needs one embedding_dim")
     strip = all(t.startswith("t_") for t in tables)
-    features = [t[2:] if strip else t for t in tables]
-    rows = [r for r, _ in tables.values()]
+    table_of = {(t[2:] if strip else t): t for t in tables}  # feature -> table, in the checkpoint's order
+    features, source = feature_order_of(ckpt, list(table_of), feature_order)
+    rows = [tables[table_of[f]][0] for f in features]
     dense_in = _shape(ckpt, "dense_arch.model._mlp.0._linear.weight")[1]
     handler = {
         "num_dense_features": dense_in,
@@ -252,19 +276,92 @@ def derive_config(ckpt: Checkpoint) -> tuple[dict, list[str], list[str]]:
         f"{len(features)} sparse features from the table names ({', '.join(features[:4])}"
         f"{', ...' if len(features) > 4 else ''}), rows per table and embedding_dim {handler['embedding_dim']} "
         f"from their shapes",
+        f"feature order {', '.join(features[:6])}{', ...' if len(features) > 6 else ''}: {source}",
         f"{dense_in} dense features, dense arch {handler['dense_arch_layer_sizes']}, over arch "
         f"{handler['over_arch_layer_sizes']} from the MLP weights",
     ]
     assumed = [
-        f"feature names = table names{' without their t_ prefix' if strip else ''}; requests send them as keys",
-        "feature order: " + ("the order of the checkpoint's tables" if not ckpt.kind.startswith("DCP") else
-                             "table names in natural order (a DCP directory does not keep the trainer's order); "
-                             "the over arch depends on it: list sparse_features in the trainer's table order if "
-                             "that differs"),
-        "pooling sum (torchrec's default; a checkpoint does not record it)",
+        f"feature names = table names{' without their t_ prefix' if strip else ''}; requests send them as keys "
+        "(a wrong name is a 400 naming it, never a wrong score)",
+        "pooling sum (torchrec's default; a checkpoint does not record it: set pooling: mean if the trainer "
+        "did, and prove the archive with --verify)",
+        "the dense features' order and preprocessing are the trainer's (a checkpoint records only their count; "
+        "--verify with requests built as your clients build them checks it)",
         "output probability (sigmoid of the logit), fp32 tables, serving settings of model-config.yaml",
     ]
     return handler, derived, assumed
+
+
+def feature_order_of(ckpt: Checkpoint, features: list[str], given: list[str] | None) -> tuple[list[str], str]:
+    """The trainer's feature order and where it came from: ``given`` (``--feature-order``), else
+    the checkpoint's own (a state_dict file), else a numbered sequence (``cat_0 ... cat_25`` in
+    natural order); anything else is a ConfigError saying why the order matters and how to give
+    it. The interaction reads the embeddings in this order: a guess scores every row wrong."""
+    if given is not None:
+        _check_names(given, features, "--feature-order", "the checkpoint's features")
+        differs = ckpt.records_order and list(given) != features
+        return list(given), "given with --feature-order" + (f" (the checkpoint's table order is {', '.join(features)})"
+                                                  if differs else "")
+    if ckpt.records_order:
+        return features, "the checkpoint's table order (a state_dict file keeps the trainer's EmbeddingBagConfig order)"
+    if numbered(features):
+        return features, ("one numbered sequence in natural order (a DCP directory keeps no order; "
+                          "torchrec's DLRM example numbers its tables)")
+    raise ConfigError(
+        f"{ckpt.path}: a DCP directory does not record the trainer's table order, and its tables "
+        f"({', '.join(features)}) are no numbered sequence (like cat_0 ... cat_25) to read it from. The "
+        f"interaction reads the embeddings in that order, so any other order serves a plausible, wrong score for "
+        f"every row. Name them in the order of the trainer's EmbeddingBagConfig list: --feature-order "
+        f"{','.join(['NAME'] * min(len(features), 3))}{',...' if len(features) > 3 else ''}")
+
+
+def numbered(names: list[str]) -> bool:
+    """Whether ``names`` are one unambiguous numbered sequence: one prefix and the numbers 0..N-1 or
+    1..N (``cat_0, cat_1, ..., cat_25``). One name has one order."""
+    if len(names) == 1:
+        return True
+    parts = [re.fullmatch(r"(.*?)(\d+)", n) for n in names]
+    if not all(parts) or len({p.group(1) for p in parts}) != 1:
+        return False
+    numbers = sorted(int(p.group(2)) for p in parts)
+    return numbers in (list(range(len(names))), list(range(1, len(names) + 1)))
+
+
+def _check_names(given: list[str], want: list[str], what: str, against: str) -> None:
+    """``given`` names each of ``want`` once, or a ConfigError names the difference."""
+    twice = sorted({n for n in given if given.count(n) > 1})
+    stray = [n for n in given if n not in want]
+    missing = [n for n in want if n not in given]
+    if twice or stray or missing:
+        problems = [f"not in {against}: {', '.join(stray)}" if stray else "",
+                    f"missing: {', '.join(missing)}" if missing else "",
+                    f"named twice: {', '.join(twice)}" if twice else ""]
+        raise ConfigError(f"{what} {','.join(given)} does not match {against} ({', '.join(want)}): "
+                          f"{'; '.join(p for p in problems if p)}")
+
+
+def _check_order(ckpt: Checkpoint, config: DLRMConfig, table_of: dict[str, str], given: list[str] | None) -> None:
+    """The config's sparse_features order is the trainer's: it equals ``given`` (``--feature-order``),
+    else the order a state_dict file records. A DCP directory records none: ``--verify`` proves it."""
+    configured = list(config.sparse_features)
+    if given is not None:
+        _check_names(given, configured, "--feature-order", "handler.sparse_features")
+        if list(given) != configured:
+            raise ConfigError(
+                f"--feature-order {','.join(given)} differs from handler.sparse_features ({', '.join(configured)}): "
+                f"the interaction reads the embeddings in sparse_features order; list them in the trainer's order")
+        return
+    if not ckpt.records_order:
+        return
+    trained = [t for t in ckpt.tables if t in table_of.values()]
+    feature_of = {t: f for f, t in table_of.items()}
+    if [table_of[f] for f in configured] != trained:
+        raise ConfigError(
+            f"checkpoint: handler.sparse_features ({', '.join(configured)}) are not in the order of the "
+            f"checkpoint's tables ({', '.join(trained)}), which is the trainer's: the interaction reads the "
+            f"embeddings in sparse_features order, so this order serves a wrong score for every row. List them as "
+            f"[{', '.join(feature_of[t] for t in trained)}] (or pass --feature-order if the file's order is not "
+            f"the trainer's)")
 
 
 def config_text(ckpt: Checkpoint, handler: dict, derived: list[str], assumed: list[str]) -> str:
@@ -287,19 +384,21 @@ def config_text(ckpt: Checkpoint, handler: dict, derived: list[str], assumed: li
     return "\n".join(lines) + "\n"
 
 
-def write_config(path: str | Path, out: str | Path, log: Callable[[str], None] = print) -> DLRMConfig:
+def write_config(path: str | Path, out: str | Path, log: Callable[[str], None] = print,
+                 feature_order: list[str] | None = None) -> DLRMConfig:
     """``--write-config``: derive the config, check that the checkpoint fits it, write ``out``."""
     ckpt = open_checkpoint(path)
     _say_ignored(ckpt, log)
-    handler, derived, assumed = derive_config(ckpt)
+    handler, derived, assumed = derive_config(ckpt, feature_order)
     config = DLRMConfig.from_dict(handler)
-    plan_import(ckpt, config)  # every key and shape fits, or the message says which does not
+    plan_import(ckpt, config, feature_order)  # every key and shape fits, or the message says which does not
     Path(out).write_text(config_text(ckpt, handler, derived, assumed))
     for line in derived:
         log(f"[config] derived: {line}")
     for line in assumed:
         log(f"[config] assumed: {line}")
-    log(f"[config] wrote {out}; build with: scripts/build_mar.py --config {out} --checkpoint {path} --force")
+    log(f"[config] wrote {out}; build and prove it with: scripts/build_mar.py --config {out} --checkpoint {path} "
+        f"--verify EVAL.jsonl --force (docs/trained-models.md)")
     return config
 
 
@@ -324,3 +423,138 @@ def _say_ignored(ckpt: Checkpoint, log: Callable[[str], None]) -> None:
     if ckpt.ignored:
         shown = ", ".join(ckpt.ignored[:4]) + (f" and {len(ckpt.ignored) - 4} more" if len(ckpt.ignored) > 4 else "")
         log(f"[import] ignored {len(ckpt.ignored)} entries that are no DLRM weights (optimizer state and the like): {shown}")
+
+
+@dataclass
+class Verified:
+    """What ``verify_archive`` found: rows checked, the largest |served - trainer| and where."""
+
+    rows: int
+    requests: int
+    max_delta: float
+    worst: str  # "line L, row R: served S, trainer T"
+    over: int  # rows off by more than the tolerance
+    auc: tuple[float, float] | None  # (served, trainer) when the file has labels
+
+
+def read_verify_file(path: str | Path) -> list[dict]:
+    """``--verify FILE``: JSON lines ``{"request": <a /predictions JSON body>, "scores": [...],
+    "labels": [...]}`` (labels optional), one trainer score per row of the request."""
+    lines = []
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"--verify {path}: {e.strerror}") from None
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"--verify {path}, line {n}"
+        try:
+            doc = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("request"), dict):
+            raise ConfigError(f'{where}: expected {{"request": {{...}}, "scores": [...]}}, got keys '
+                              f"{sorted(doc) if isinstance(doc, dict) else type(doc).__name__}")
+        for key in ("scores", "labels"):
+            value = doc.get(key)
+            if key == "labels" and value is None:
+                continue
+            if not isinstance(value, list) or not value or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+                raise ConfigError(f"{where}: {key!r}: expected a non-empty list of numbers, one per row")
+        if doc.get("labels") is not None and len(doc["labels"]) != len(doc["scores"]):
+            raise ConfigError(f"{where}: {len(doc['labels'])} labels for {len(doc['scores'])} scores")
+        lines.append({"line": n, **doc})
+    if not lines:
+        raise ConfigError(f"--verify {path}: no requests in the file")
+    if len({d.get("labels") is None for d in lines}) > 1:
+        raise ConfigError(f"--verify {path}: some lines have labels and some do not; give them on every line or none")
+    return lines
+
+
+def verify_archive(mar: str | Path, path: str | Path, tolerance: float = 1e-5,
+                   log: Callable[[str], None] = print) -> Verified:
+    """Score every request of ``path`` (``read_verify_file``) with the archive ``mar`` loaded as a
+    TorchServe worker loads it, and compare each row with the trainer's score. The archive is
+    unpacked and loaded in a child process whose ``sys.path`` starts with the archive's own files,
+    by TorchServe's own model loader and service, in batches of the archive's ``batchSize``; a
+    request the handler refuses is a ConfigError naming its line and the handler's answer."""
+    lines = read_verify_file(path)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="dlrm-verify-") as tmp:
+        model_dir, requests, answers = Path(tmp) / "model", Path(tmp) / "requests.json", Path(tmp) / "answers.json"
+        with zipfile.ZipFile(mar) as z:
+            z.extractall(model_dir)
+        requests.write_text(json.dumps([d["request"] for d in lines]))
+        child = (f"import sys; sys.path[:0] = [{str(model_dir)!r}]; sys.path.append({str(Path(__file__).parent)!r}); "
+                 f"import dlrm_checkpoint as c; c._score_as_worker(*sys.argv[1:])")
+        # The child's output is the worker's log; shown only when it fails.
+        run = subprocess.run([sys.executable, "-c", child, str(model_dir), str(requests), str(answers)],
+                             cwd=model_dir, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise ConfigError(f"--verify: the archive did not load or score as a worker "
+                              f"(exit {run.returncode}):\n{run.stderr[-3000:]}")
+        answers = json.loads(answers.read_text())
+    deltas, served_all, trainer_all, labels_all = [], [], [], []
+    for doc, (status, body) in zip(lines, answers):
+        where = f"--verify {path}, line {doc['line']}"
+        if status != 200:
+            raise ConfigError(f"{where}: the archive answered {status}: {body}")
+        served = json.loads(body)["scores"]
+        if len(served) != len(doc["scores"]):
+            raise ConfigError(f"{where}: the archive answered {len(served)} scores for {len(doc['scores'])} "
+                              f"trainer scores (one per row of the request)")
+        for r, (s, t) in enumerate(zip(served, doc["scores"])):
+            deltas.append((abs(s - t), f"line {doc['line']}, row {r}: served {s:.7g}, trainer {t:.7g}"))
+        served_all += served
+        trainer_all += doc["scores"]
+        labels_all += doc.get("labels") or []
+    worst = max(deltas)
+    auc = (_auc(served_all, labels_all), _auc(trainer_all, labels_all)) if labels_all else None
+    result = Verified(len(deltas), len(lines), worst[0], worst[1], sum(d > tolerance for d, _ in deltas), auc)
+    log(f"[verify] {result.rows} rows in {result.requests} requests of {path} scored by the archive as a worker "
+        f"loads it in {time.perf_counter() - started:.1f} s: max |served - trainer| {result.max_delta:.3g} "
+        f"(tolerance {tolerance:g}; {result.worst})"
+        + (f"; AUC served {auc[0]:.6f} vs trainer {auc[1]:.6f}" if auc else ""))
+    return result
+
+
+def _auc(scores: list[float], labels: list[float]) -> float:
+    """Exact ROC AUC (torchmetrics, which torchrec already needs)."""
+    from torchmetrics.functional.classification import binary_auroc
+
+    return float(binary_auroc(torch.tensor(scores, dtype=torch.float64), torch.tensor(labels).long()))
+
+
+def _score_as_worker(model_dir: str, requests: str, answers: str) -> None:
+    """In ``verify_archive``'s child: load ``model_dir`` with TorchServe's model loader, as
+    ``ts.model_service_worker`` does, and answer each request of ``requests`` through the service's
+    entry point with the context TorchServe builds, ``batchSize`` requests per call; writes
+    ``[[status, body], ...]`` to ``answers``."""
+    from ts.metrics.metric_cache_yaml_impl import MetricsCacheYamlImpl
+    from ts.model_loader import ModelLoaderFactory
+    from ts.service import Service
+    from ts.utils.util import get_yaml_config
+
+    manifest = json.loads((Path(model_dir) / "MAR-INF" / "MANIFEST.json").read_text())["model"]
+    batch_size = int(get_yaml_config(str(Path(model_dir) / manifest["configFile"])).get("batchSize") or 1)
+    metrics = MetricsCacheYamlImpl(config_file_path=str(Path(__file__).resolve().parent / "metrics.yaml"))
+    metrics.initialize_cache()
+    service = ModelLoaderFactory.get_model_loader().load(
+        manifest["modelName"], model_dir, manifest["handler"], None, batch_size, None, True, metrics)
+    bodies = json.loads(Path(requests).read_text())
+    out = []
+    for lo in range(0, len(bodies), batch_size):
+        # The frontend's message, as the worker decodes it: an application/json body arrives parsed.
+        batch = [{"requestId": f"verify-{lo + i}".encode(),
+                  "parameters": [{"name": "body", "value": b, "contentType": "application/json"}]}
+                 for i, b in enumerate(bodies[lo:lo + batch_size])]
+        headers, inputs, ids = Service.retrieve_data_for_inference(batch)
+        context = service.context
+        context.request_ids, context.request_processor, context.metrics.request_ids = ids, headers, ids
+        bodies_out = service._entry_point(inputs, context)
+        for i, body in enumerate(bodies_out):
+            body = body.decode() if isinstance(body, (bytes, bytearray)) else body
+            out.append([context.get_response_status(i)[0], body])
+    Path(answers).write_text(json.dumps(out))

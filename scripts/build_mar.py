@@ -5,18 +5,23 @@
     python scripts/build_mar.py --checkpoint trained.pt          # your trained state_dict
     python scripts/build_mar.py --config model-config.criteo.yaml --force
     python scripts/build_mar.py --checkpoint ckpt/ --write-config my.yaml   # a config that fits; builds nothing
-    python scripts/build_mar.py --config my.yaml --checkpoint ckpt/ --force
+    python scripts/build_mar.py --checkpoint ckpt/ --write-config my.yaml --feature-order user,item,ctx
+    python scripts/build_mar.py --config my.yaml --checkpoint ckpt/ --verify eval.jsonl --force
 
 --checkpoint takes a .pt/.pth state_dict (or a dict holding one under model / model_state_dict /
 state_dict) or a torch.distributed.checkpoint directory, from DLRMTrain / DistributedModelParallel
 (dlrm_checkpoint.py). The weights are checked against the config before anything is archived: a
-key or table whose name or shape does not fit is an error that names it.
+key or table whose name or shape does not fit is an error that names it, and so is a feature order
+the checkpoint contradicts. A DCP directory does not record the trainer's table order: unless its
+tables are one numbered sequence (cat_0 ... cat_25), --feature-order gives it. --verify proves the
+built archive against the trainer's own scores and leaves no archive when they differ.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,6 +45,16 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--write-config", metavar="OUT.yaml",
                     help="with --checkpoint: write a complete model config derived from the checkpoint's keys "
                     "and shapes to OUT.yaml, print what was derived and assumed, and build nothing")
+    ap.add_argument("--feature-order", metavar="F1,F2,...",
+                    help="with --checkpoint: the trainer's feature order (its EmbeddingBagConfig list), which a "
+                    "DCP directory does not record and the interaction depends on; --write-config lists "
+                    "sparse_features in it, a build checks the config against it")
+    ap.add_argument("--verify", metavar="FILE.jsonl",
+                    help='after building, score every request of FILE (JSON lines {"request": {...}, "scores": '
+                    '[...], "labels": [...]}, as scripts/train.py writes verify.jsonl) with the archive loaded as '
+                    "a worker loads it; differences over --verify-tolerance fail the build and leave no archive")
+    ap.add_argument("--verify-tolerance", type=float, default=1e-5, metavar="T",
+                    help="largest |served - trainer| score --verify accepts (default: %(default)s)")
     ap.add_argument("--output-dir", default=str(ROOT / "model_store"), help="where the .mar goes (default: %(default)s)")
     ap.add_argument("--model-name", default="dlrm", help="archive and endpoint name (default: %(default)s)")
     ap.add_argument("--version", default="1.0", help="model version recorded in the archive (default: %(default)s)")
@@ -48,16 +63,21 @@ def main(argv: list[str] | None = None) -> Path:
 
     import torch
 
-    from dlrm_checkpoint import import_checkpoint, write_config
+    from dlrm_checkpoint import import_checkpoint, verify_archive, write_config
     from dlrm_config import DLRMConfig
     from dlrm_errors import ConfigError
     from dlrm_factory import DLRMFactory
 
+    order = [f.strip() for f in args.feature_order.split(",")] if args.feature_order else None
+    if order is not None and not args.checkpoint:
+        ap.error("--feature-order needs --checkpoint PATH")
     if args.write_config:
         if not args.checkpoint:
             ap.error("--write-config needs --checkpoint PATH")
+        if args.verify:
+            ap.error("--verify proves a built archive; --write-config builds nothing")
         try:
-            write_config(args.checkpoint, args.write_config)
+            write_config(args.checkpoint, args.write_config, feature_order=order)
         except ConfigError as e:
             sys.exit(f"error: {e}")
         return Path(args.write_config)
@@ -75,7 +95,7 @@ def main(argv: list[str] | None = None) -> Path:
                 print(f"[build] checking {args.checkpoint} against {args.config}", flush=True)
                 # Every key and shape is checked before any data is read; a file is memory-mapped, a
                 # DCP directory read into one full-size tensor per key.
-                model = factory.load_fp32(import_checkpoint(args.checkpoint, config))
+                model = factory.load_fp32(import_checkpoint(args.checkpoint, config, feature_order=order))
             else:
                 print(f"[build] random weights, seed {config.seed}: {sum(config.num_embeddings):,} rows "
                       f"x D={config.embedding_dim}", flush=True)
@@ -88,7 +108,9 @@ def main(argv: list[str] | None = None) -> Path:
             torch.save(state, weights)
             print(f"[build] weights {weights.stat().st_size / 1e6:.1f} MB in {time.perf_counter() - started:.1f} s",
                   flush=True)
-            out_dir.mkdir(parents=True, exist_ok=True)
+            # Built beside the weights and moved into place only once proven: a failed --verify
+            # leaves no archive, and an earlier one of the same name stays as it was.
+            built = Path(tmp) / "out"
             cmd = [
                 str(Path(sys.executable).parent / "torch-model-archiver"),
                 "--model-name", args.model_name,
@@ -97,7 +119,7 @@ def main(argv: list[str] | None = None) -> Path:
                 "--serialized-file", str(weights),
                 "--extra-files", ",".join(str(ROOT / f) for f in EXTRA_FILES),
                 "--config-file", str(Path(args.config).resolve()),
-                "--export-path", str(out_dir),
+                "--export-path", str(built),
                 # Random floats do not compress; storing them makes building and loading faster.
                 "--archive-format", "zip-store",
             ]
@@ -105,7 +127,18 @@ def main(argv: list[str] | None = None) -> Path:
                 cmd.append("--force")
             # The archiver stages files in $TMPDIR/<model name>; a private TMPDIR keeps two builds
             # of the same model name on one machine (tests, benchmarks) from clobbering each other.
+            built.mkdir()
             subprocess.run(cmd, check=True, env={**os.environ, "TMPDIR": tmp})
+            if args.verify:
+                result = verify_archive(built / mar.name, args.verify, args.verify_tolerance)
+                if result.over:
+                    sys.exit(f"error: --verify: {result.over} of {result.rows} rows differ from the trainer's "
+                             f"scores by more than {args.verify_tolerance:g} (worst {result.max_delta:.3g}, "
+                             f"{result.worst}); no archive written. The usual causes: handler.sparse_features "
+                             f"not in the trainer's order (--feature-order), pooling, output, or requests whose "
+                             f"dense features are not preprocessed as in training (docs/trained-models.md)")
+            out_dir.mkdir(parents=True, exist_ok=True)
+            shutil.move(built / mar.name, mar)
     except ConfigError as e:
         sys.exit(f"error: {e}")
     print(f"[build] {mar} ({mar.stat().st_size / 1e6:.1f} MB)")

@@ -241,6 +241,8 @@ def build(args, store: Path, version: str) -> str:
                "--model-name", args.model, "--version", version, "--output-dir", tmp]
         if args.checkpoint:
             cmd += ["--checkpoint", args.checkpoint]
+        if args.verify:
+            cmd += ["--verify", args.verify]
         say(f"build {name} from {args.config}")
         try:
             subprocess.run(cmd, check=True)
@@ -258,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default=str(ROOT / "model-config.yaml"), help="model config to build (default: %(default)s)")
     ap.add_argument("--checkpoint", help="trained checkpoint to build with: .pt/.pth or a DCP directory "
                     "(default: seeded random weights)")
+    ap.add_argument("--verify", metavar="FILE.jsonl", help="prove the built archive against the trainer's scores "
+                    "before anything is registered (build_mar.py --verify)")
     ap.add_argument("--version", help="version to build (default: the serving version's major + 1, e.g. 1.0 -> 2.0)")
     ap.add_argument("--archive", help="roll out this archive (a .mar in the model store) instead of building one")
     ap.add_argument("--rollback", action="store_true", help="return to the version before the last rollout")

@@ -13,7 +13,9 @@ in ``DistributedModelParallel`` over ``--world-size`` CPU processes (gloo). ``--
 - ``heldout.json``: held-out rows never trained on, as serving requests (``dense``, ``sparse``
   keys/values/lengths), their labels, and the trained model's own scores (sigmoid of the logit)
   computed here, in eval mode, through the same DMP model: what a server of this checkpoint must
-  answer.
+  answer;
+- ``verify.jsonl``: the same rows as ``build_mar.py --verify`` reads them, one ``instances``
+  request of up to 100 rows a line with the trainer's scores and labels.
 
 Synthetic clicks (the default) carry a learnable signal: the click probability is
 sigmoid(dense . w + sum over features of a per-id effect), with w and the effects drawn from
@@ -36,7 +38,7 @@ import torch
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="folder for checkpoint/ and heldout.json")
+    ap.add_argument("--out", required=True, help="folder for checkpoint/, heldout.json and verify.jsonl")
     ap.add_argument("--world-size", type=int, default=2, choices=[1, 2], help="trainer processes (default: %(default)s)")
     ap.add_argument("--sharding", default="table_wise", choices=["table_wise", "column_wise"],
                     help="how DMP places the tables on the ranks (default: %(default)s)")
@@ -44,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="torchrec DLRM, DLRM_DCN or DLRM_Projection (default: %(default)s)")
     ap.add_argument("--num-dense", type=int, default=13, help="dense features int_0.. (default: %(default)s)")
     ap.add_argument("--num-sparse", type=int, default=4, help="sparse features cat_0.. (default: %(default)s)")
+    ap.add_argument("--sparse-features", metavar="F1,F2,...",
+                    help="name the sparse features (tables t_<name>, in this order) instead of cat_0..")
     ap.add_argument("--rows", type=int, default=100, help="rows per table (default: %(default)s)")
     ap.add_argument("--dim", type=int, default=8, help="embedding_dim D (default: %(default)s)")
     ap.add_argument("--dense-arch", default="32,8", help="dense arch sizes, last = D (default: %(default)s)")
@@ -66,14 +70,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.branch2 = [int(x) for x in args.branch2.split(",")]
     if args.tsv:
         args.num_dense, args.num_sparse = 13, 26
+    args.sparse_features = args.sparse_features.split(",") if args.sparse_features else None
+    if args.sparse_features and len(args.sparse_features) != args.num_sparse:
+        if args.tsv:
+            ap.error(f"--tsv rows have 26 sparse features, --sparse-features names {len(args.sparse_features)}")
+        args.num_sparse = len(args.sparse_features)
     if args.dense_arch[-1] != args.dim:
         ap.error(f"--dense-arch must end in --dim ({args.dim}), got {args.dense_arch}")
     return args
 
 
 def features(args) -> tuple[list[str], list[str]]:
-    """torchrec's Criteo names: dense int_0.., sparse cat_0.. (tables t_cat_0..)."""
-    return [f"int_{i}" for i in range(args.num_dense)], [f"cat_{i}" for i in range(args.num_sparse)]
+    """torchrec's Criteo names: dense int_0.., sparse cat_0.. (tables t_cat_0..) or --sparse-features."""
+    return [f"int_{i}" for i in range(args.num_dense)], args.sparse_features or [f"cat_{i}" for i in range(args.num_sparse)]
 
 
 class Clicks:
@@ -201,8 +210,11 @@ def worker(rank: int, args, port: int) -> None:
         doc = {"dense_features": dense_names, "sparse_features": sparse_names, "interaction": args.interaction,
                "rows": rows, "labels": labels.tolist(), "scores": scores.tolist(), "auc": auc(scores, labels)}
         (out / "heldout.json").write_text(json.dumps(doc))
+        (out / "verify.jsonl").write_text("".join(
+            json.dumps({"request": {"instances": rows[i:i + 100]}, "scores": doc["scores"][i:i + 100],
+                        "labels": doc["labels"][i:i + 100]}) + "\n" for i in range(0, len(rows), 100)))
         log(f"held-out AUC {doc['auc']:.4f} on {len(rows)} rows; saved {out / 'checkpoint'} "
-            f"(DCP, {args.world_size} rank(s)) and {out / 'heldout.json'}")
+            f"(DCP, {args.world_size} rank(s)), {out / 'heldout.json'} and {out / 'verify.jsonl'}")
     dist.destroy_process_group()
 
 

@@ -12,6 +12,7 @@ import yaml
 import build_mar
 from conftest import TINY, call, tiny_config, variant
 from dlrm_checkpoint import TABLES, import_checkpoint
+from dlrm_config import DLRMConfig
 from dlrm_errors import ConfigError
 from dlrm_factory import DLRMFactory
 
@@ -32,7 +33,7 @@ def trained_keys(model, prefix: str = "model.", table: str = "t_{}") -> dict[str
 
 def same_scores(state, model, config=None) -> bool:
     served = DLRMFactory(config or tiny_config()).load_fp32(state)
-    dense, kjt = DLRMFactory(tiny_config()).probe_batch(64, torch.Generator().manual_seed(1))
+    dense, kjt = DLRMFactory(config or tiny_config()).probe_batch(64, torch.Generator().manual_seed(1))
     with torch.no_grad():
         return torch.equal(served(dense, kjt), model(dense, kjt))
 
@@ -185,3 +186,107 @@ def test_table_names_is_validated_with_the_key_named(value, message):
     with pytest.raises(ConfigError) as exc:
         tiny_config(table_names=value)
     assert str(exc.value) == message
+
+
+TRAINER_ORDER = ["user", "item", "ctx"]  # not alphabetical, no numbered sequence
+
+
+def named_model():
+    """The tiny DCN with features user, item, ctx (20, 30, 40 rows) in the trainer's order."""
+    return DLRMFactory(tiny_config(sparse_features=TRAINER_ORDER, **variant("dcn"))).random()
+
+
+def test_a_state_dict_file_records_the_trainers_order_and_needs_no_flag(tmp_path, model, capsys):
+    trained = named_model()
+    torch.save(trained_keys(trained), tmp_path / "t.pt")
+    build_mar.main(["--checkpoint", str(tmp_path / "t.pt"), "--write-config", str(tmp_path / "c.yaml")])
+    assert ("[config] derived: feature order user, item, ctx: the checkpoint's table order (a state_dict file "
+            "keeps the trainer's EmbeddingBagConfig order)") in capsys.readouterr().out
+    assert "# derived: feature order user, item, ctx: the checkpoint's table order" in (tmp_path / "c.yaml").read_text()
+    config = DLRMConfig.from_yaml(tmp_path / "c.yaml")
+    assert config.sparse_features == tuple(TRAINER_ORDER) and config.num_embeddings == (20, 30, 40)
+    assert same_scores(import_checkpoint(tmp_path / "t.pt", config, log=lambda _: None), trained, config)
+
+
+def test_a_config_that_contradicts_the_order_a_state_dict_records_is_refused(tmp_path):
+    torch.save(trained_keys(named_model()), tmp_path / "t.pt")
+    config = tiny_config(sparse_features=["ctx", "item", "user"], num_embeddings=[40, 30, 20], **variant("dcn"))
+    with pytest.raises(ConfigError) as exc:
+        import_checkpoint(tmp_path / "t.pt", config, log=lambda _: None)
+    assert str(exc.value) == (
+        "checkpoint: handler.sparse_features (ctx, item, user) are not in the order of the checkpoint's tables "
+        "(t_user, t_item, t_ctx), which is the trainer's: the interaction reads the embeddings in sparse_features "
+        "order, so this order serves a wrong score for every row. List them as [user, item, ctx] (or pass "
+        "--feature-order if the file's order is not the trainer's)")
+    # Said explicitly, the order is the user's (the file's order is named where it is derived).
+    state = import_checkpoint(tmp_path / "t.pt", config, log=lambda _: None, feature_order=["ctx", "item", "user"])
+    assert list(state)[0] == f"{TABLES}ctx.weight"
+
+
+def test_a_build_checks_the_config_against_feature_order(tmp_path):
+    dcp.save(trained_keys(named_model()), checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    config = tiny_config(sparse_features=TRAINER_ORDER, **variant("dcn"))
+    import_checkpoint(tmp_path / "ckpt", config, log=lambda _: None, feature_order=TRAINER_ORDER)
+    for order, message in [
+        (["item", "user", "ctx"], "--feature-order item,user,ctx differs from handler.sparse_features (user, item, "
+                                  "ctx): the interaction reads the embeddings in sparse_features order; list them in "
+                                  "the trainer's order"),
+        (["user", "item"], "--feature-order user,item does not match handler.sparse_features (user, item, ctx): "
+                           "missing: ctx"),
+        (["user", "user", "item", "ctx"], "--feature-order user,user,item,ctx does not match "
+                                          "handler.sparse_features (user, item, ctx): named twice: user"),
+    ]:
+        with pytest.raises(ConfigError) as exc:
+            import_checkpoint(tmp_path / "ckpt", config, log=lambda _: None, feature_order=order)
+        assert str(exc.value) == message
+
+
+@pytest.mark.parametrize("names, expected", [
+    (["cat_0", "cat_1", "cat_2"], True), (["cat_2", "cat_10", "cat_1", "cat_0"], False),
+    ([f"cat_{i}" for i in range(26)], True), (["f1", "f2", "f3"], True), (["user"], True),
+    (["user", "item"], False), (["a_0", "b_1"], False), (["cat_0", "cat_00"], False), (["cat_0", "cat_2"], False),
+])
+def test_only_one_unambiguous_numbered_sequence_gives_the_order(names, expected):
+    from dlrm_checkpoint import numbered
+
+    assert numbered(names) is expected
+
+
+def write_verify(path, lines) -> str:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return str(path)
+
+
+@pytest.mark.parametrize("lines, message", [
+    (["{nope"], "line 1: not JSON (Expecting property name enclosed in double quotes at column 2)"),
+    ([{"scores": [0.5]}], 'line 1: expected {"request": {...}, "scores": [...]}, got keys [\'scores\']'),
+    ([{"request": {}, "scores": []}], "line 1: 'scores': expected a non-empty list of numbers, one per row"),
+    ([{"request": {}, "scores": [0.5], "labels": [1, 0]}], "line 1: 2 labels for 1 scores"),
+    (["", {"request": {}, "scores": [0.5], "labels": ["1"]}], "line 2: 'labels': expected a non-empty list of "
+                                                               "numbers, one per row"),
+])
+def test_a_verify_file_is_checked_line_by_line(tmp_path, lines, message):
+    from dlrm_checkpoint import read_verify_file
+
+    path = write_verify(tmp_path / "v.jsonl", lines)
+    with pytest.raises(ConfigError) as exc:
+        read_verify_file(path)
+    assert str(exc.value) == f"--verify {path}, {message}"
+
+
+def test_verify_names_the_request_the_archive_refuses(tmp_path, model):
+    """A request the handler answers 400 (an id past its table) fails the proof with the handler's
+    own answer; the archive is not written."""
+    from helpers import DENSE, instance
+
+    torch.save(model.state_dict(), tmp_path / "t.pt")
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"batchSize": 4, "handler": TINY}))
+    path = write_verify(tmp_path / "v.jsonl", [{"request": instance(DENSE, feature_0=[1]), "scores": [0.5]},
+                                              {"request": instance(DENSE, feature_0=[20]), "scores": [0.5]}])
+    with pytest.raises(SystemExit) as exc:
+        build_mar.main(["--config", str(config), "--checkpoint", str(tmp_path / "t.pt"), "--verify", path,
+                        "--output-dir", str(tmp_path / "store")])
+    assert exc.value.code.startswith(f"error: --verify {path}, line 2: the archive answered 400: "), exc.value.code
+    assert "feature_0" in exc.value.code
+    assert not (tmp_path / "store" / "dlrm.mar").exists()

@@ -1,6 +1,8 @@
-"""Integration: from training to serving. scripts/train.py trains a tiny DLRM with torchrec's
-DistributedModelParallel on 2 CPU ranks and saves a DCP checkpoint; build_mar.py writes the config
-from it and builds; a real TorchServe with batching serves the held-out rows, sent concurrently."""
+"""Integration: from training to serving. scripts/train.py trains a tiny DLRM_DCN with torchrec's
+DistributedModelParallel on 2 CPU ranks, its features named user, item, ctx (no numbered sequence,
+not alphabetical), and saves a DCP checkpoint; build_mar.py writes the config from it (refusing to
+guess the order a DCP directory does not keep) and builds; a real TorchServe with batching serves
+the held-out rows, sent concurrently; --verify proves the archive against the trainer's scores."""
 
 from __future__ import annotations
 
@@ -20,11 +22,14 @@ from tsctl import Server, post
 
 pytestmark = pytest.mark.integration
 
+TRAINER_ORDER = ["user", "item", "ctx"]  # the trainer's EmbeddingBagConfig order (natural order: ctx, item, user)
+
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("train")
     subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "--out", str(out), "--world-size", "2",
+                    "--interaction", "dcn", "--sparse-features", ",".join(TRAINER_ORDER),
                     "--steps", "120", "--heldout", "600", "--seed", "4",
                     # Each table split along D over both ranks' files: the import reassembles it.
                     "--sharding", "column_wise"], check=True, timeout=300)
@@ -35,7 +40,8 @@ def trained(tmp_path_factory):
 def server(trained, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ts")
     config = tmp / "model-config.yaml"
-    build_mar.main(["--checkpoint", str(trained / "checkpoint"), "--write-config", str(config)])
+    build_mar.main(["--checkpoint", str(trained / "checkpoint"), "--write-config", str(config),
+                    "--feature-order", ",".join(TRAINER_ORDER)])
     store = tmp / "store"
     build_mar.main(["--config", str(config), "--checkpoint", str(trained / "checkpoint"), "--force",
                     "--output-dir", str(store)])
@@ -53,7 +59,7 @@ def server(trained, tmp_path_factory):
 def test_served_scores_are_the_trained_models_own(trained, server):
     srv, config = server
     assert config["batchSize"] > 1  # the written config batches
-    assert config["handler"]["sparse_features"] == ["cat_0", "cat_1", "cat_2", "cat_3"]
+    assert config["handler"]["sparse_features"] == TRAINER_ORDER and config["handler"]["interaction"] == "dcn"
     held = json.loads((trained / "heldout.json").read_text())
     assert len(held["rows"]) >= 500
 
@@ -76,10 +82,65 @@ def test_served_scores_are_the_trained_models_own(trained, server):
     assert online > 0.7, online  # the synthetic clicks carry a signal the model learned
 
 
-@pytest.mark.parametrize("interaction", ["dcn", "projection"])
+def test_write_config_refuses_to_guess_the_order_a_dcp_directory_does_not_keep(trained, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        build_mar.main(["--checkpoint", str(trained / "checkpoint"), "--write-config", str(tmp_path / "c.yaml")])
+    assert exc.value.code == (
+        f"error: {trained / 'checkpoint'}: a DCP directory does not record the trainer's table order, and its "
+        "tables (ctx, item, user) are no numbered sequence (like cat_0 ... cat_25) to read it from. The "
+        "interaction reads the embeddings in that order, so any other order serves a plausible, wrong score for "
+        "every row. Name them in the order of the trainer's EmbeddingBagConfig list: --feature-order NAME,NAME,NAME")
+    assert not (tmp_path / "c.yaml").exists()
+    with pytest.raises(SystemExit) as exc:
+        build_mar.main(["--checkpoint", str(trained / "checkpoint"), "--write-config", str(tmp_path / "c.yaml"),
+                        "--feature-order", "user,item,context"])
+    assert exc.value.code == ("error: --feature-order user,item,context does not match the checkpoint's features "
+                              "(ctx, item, user): not in the checkpoint's features: context; missing: ctx")
+
+
+def test_verify_proves_the_archive_and_refuses_a_wrong_order(trained, tmp_path, capsys):
+    """The trainer's verify.jsonl (6 instances requests of 100 rows, with labels) against the archive
+    as a worker loads it: the trainer's order passes; the alphabetical one, which a DCP directory
+    would suggest, fails the build and leaves no archive."""
+    ckpt = str(trained / "checkpoint")
+    for order in (TRAINER_ORDER, sorted(TRAINER_ORDER)):
+        config = tmp_path / f"{'-'.join(order)}.yaml"
+        build_mar.main(["--checkpoint", ckpt, "--write-config", str(config), "--feature-order", ",".join(order)])
+    capsys.readouterr()
+    store = tmp_path / "store"
+    mar = build_mar.main(["--config", str(tmp_path / "user-item-ctx.yaml"), "--checkpoint", ckpt,
+                          "--verify", str(trained / "verify.jsonl"), "--output-dir", str(store)])
+    printed = capsys.readouterr().out
+    assert mar.is_file()
+    held = json.loads((trained / "heldout.json").read_text())
+    line = next(x for x in printed.splitlines() if x.startswith("[verify] "))
+    assert line.startswith(f"[verify] 600 rows in 6 requests of {trained / 'verify.jsonl'} scored by the archive "
+                           "as a worker loads it in "), line
+    delta = float(line.split("max |served - trainer| ")[1].split(" ")[0])
+    assert delta <= 1e-5 and f"AUC served {held['auc']:.6f} vs trainer {held['auc']:.6f}" in line, line
+
+    wrong = tmp_path / "wrong"
+    with pytest.raises(SystemExit) as exc:
+        build_mar.main(["--config", str(tmp_path / "ctx-item-user.yaml"), "--checkpoint", ckpt,
+                        "--verify", str(trained / "verify.jsonl"), "--output-dir", str(wrong)])
+    assert exc.value.code.startswith("error: --verify: "), exc.value.code
+    over = int(exc.value.code.split("--verify: ")[1].split(" of 600 rows")[0])
+    assert over > 300, exc.value.code  # nearly every row moves: the over arch reads the tables in this order
+    assert "; no archive written." in exc.value.code
+    assert not (wrong / "dlrm.mar").exists()
+    # A failed proof never replaces a proven archive of the same name.
+    proven = mar.read_bytes()
+    with pytest.raises(SystemExit):
+        build_mar.main(["--config", str(tmp_path / "ctx-item-user.yaml"), "--checkpoint", ckpt, "--force",
+                        "--verify", str(trained / "verify.jsonl"), "--output-dir", str(store)])
+    assert mar.read_bytes() == proven
+
+
+@pytest.mark.parametrize("interaction", ["dot", "projection"])
 def test_every_variant_imports_to_the_trained_models_scores(tmp_path, interaction):
-    """train.py (DMP, one rank) -> --write-config -> the import the build runs -> the archive's
-    model scores the held-out rows as the trainer did (the test above covers TorchServe)."""
+    """train.py (DMP, one rank) -> --write-config (tables cat_0.., one numbered sequence: no flag
+    needed) -> the import the build runs -> the archive's model scores the held-out rows as the
+    trainer did (the tests above cover DCN and TorchServe)."""
     import torch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
