@@ -9,6 +9,7 @@ import json
 import random
 import warnings
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import pytest
@@ -39,7 +40,7 @@ def criteo_line(rng: random.Random, label: bool) -> str:
     return "\t".join(([str(rng.randint(0, 1))] if label else []) + dense + cat)
 
 
-def torchrec_rows(path: Path, dataset: str) -> tuple[np.ndarray, np.ndarray]:
+def torchrec_rows(path: Path, dataset: str, rows: Sequence[int] = ROWS[:26]) -> tuple[np.ndarray, np.ndarray]:
     """torchrec's rows of a TSV file: (dense float32 [n, 13], ids % num_embeddings [n, 26])."""
     from torchrec.datasets.criteo import BinaryCriteoUtils
 
@@ -48,7 +49,7 @@ def torchrec_rows(path: Path, dataset: str) -> tuple[np.ndarray, np.ndarray]:
         warnings.simplefilter("ignore")  # torchdata's "local function is not supported by pickle"
         BinaryCriteoUtils.tsv_to_npys(str(path), *map(str, out), dataset_name=dataset)
     # InMemoryBinaryCriteoIterDataPipe(hashes=num_embeddings): sparse % hashes
-    return np.load(out[0]), np.load(out[1]) % np.array(ROWS[:26]).reshape(1, 26)
+    return np.load(out[0]), np.load(out[1]) % np.array(rows).reshape(1, 26)
 
 
 def write_files(tmp: Path, n: int, seed: int = 0) -> list[tuple[Path, str, list[str]]]:
