@@ -4,10 +4,11 @@ CONFIG  ?= model-config.yaml
 PROPS   ?= config.properties
 MAR     := model_store/dlrm.mar
 # The request that probes readiness: sample_requests/<name>.json for model-config.<name>.yaml
-# when it exists (criteo, dlrmv2), else serve.py's default (the seed layout's); SAMPLE=FILE overrides.
+# when it exists (criteo, dlrmv2), else one serve.py builds from CONFIG's layout; SAMPLE=FILE overrides.
 SAMPLE  ?= $(wildcard $(patsubst model-config.%.yaml,sample_requests/%.json,$(filter model-config.%.yaml,$(notdir $(CONFIG)))))
 SAMPLE_ARG = $(if $(SAMPLE),--sample $(SAMPLE))
-SOURCES := dlrm_handler.py dlrm_factory.py dlrm_core.py dlrm_config.py dlrm_errors.py dlrm_scale.py dlrm_kserve.py dlrm_checkpoint.py \
+PROBE_ARG  = $(if $(SAMPLE),--sample $(SAMPLE),--config $(CONFIG))
+SOURCES := dlrm_handler.py dlrm_factory.py dlrm_core.py dlrm_config.py dlrm_errors.py dlrm_scale.py dlrm_kserve.py dlrm_checkpoint.py dlrm_criteo.py \
            scripts/build_mar.py
 # A trained checkpoint to serve (docs/trained-models.md): a .pt/.pth file or a DCP directory,
 # whose files the archive then depends on.
@@ -44,11 +45,11 @@ mar: venv  ## build model_store/dlrm.mar from CONFIG (and CHECKPOINT, proven wit
 
 # Start TorchServe in the background (logs/), wait for the model, score a sample request.
 serve: venv $(MAR)  ## start TorchServe in the background, wait for the model, score a sample
-	$(PY) scripts/serve.py start --properties $(PROPS) $(SAMPLE_ARG) $(if $(CHECKPOINT),--config $(CONFIG))
+	$(PY) scripts/serve.py start --properties $(PROPS) $(PROBE_ARG)
 
 # Readiness probe of the server `make serve` started: exit 0 once the model scores a request.
 ready:  ## readiness probe: exit 0 once the served model scores a request
-	$(PY) scripts/serve.py ready $(SAMPLE_ARG) $(if $(CHECKPOINT),--config $(CONFIG))
+	$(PY) scripts/serve.py ready $(PROBE_ARG)
 
 # Build the next model version from CONFIG and roll it out with no downtime (docs/operations.md).
 rollout: venv  ## build the next version from CONFIG and roll it out with no downtime

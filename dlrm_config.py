@@ -18,6 +18,7 @@ from dlrm_errors import ConfigError
 POOLINGS = ("sum", "mean")
 OUTPUTS = ("probability", "logit")
 ID_OVERFLOW = ("error", "modulo")
+RAW_INPUTS = ("criteo_tsv",)  # handler.raw_input: request forms of untransformed features (dlrm_criteo)
 EMBEDDING_DTYPES = ("fp32", "fp16", "int8", "int4")  # torchrec's inference quantization, all run on CPU
 # handler.interaction -> the keys only that variant takes (torchrec's DLRM, DLRM_DCN, DLRM_Projection)
 INTERACTIONS = {
@@ -65,6 +66,11 @@ class DLRMConfig:
     # t_<feature> (scripts/build_mar.py --checkpoint): (feature, table) pairs, from a list in
     # sparse_features order or a mapping feature -> table. The archive names tables after features.
     table_names: tuple[tuple[str, str], ...] = ()
+    # criteo_tsv: a text/tab-separated-values request is Criteo log lines, transformed in the
+    # handler as torchrec's tsv_to_npys did for training (dlrm_criteo.py): dense ln(x + dense_shift),
+    # with dense_shift = 2 - (the training file's minimum dense value); ids by id_overflow.
+    raw_input: str | None = None
+    dense_shift: float | None = None
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None) -> "DLRMConfig":
@@ -161,6 +167,7 @@ class DLRMConfig:
             )
         if "table_names" in raw:
             values["table_names"] = _table_names(raw["table_names"], names)
+        values.update(_raw_input(raw, len(names)))
         return cls(**values)
 
     @classmethod
@@ -215,6 +222,30 @@ def _interaction(raw: Mapping[str, Any], dim: int) -> dict[str, Any]:
         else:
             out[key] = _positive_int(raw[key], key, examples[key])
     return out
+
+
+def _raw_input(raw: Mapping[str, Any], num_sparse: int) -> dict[str, Any]:
+    """``raw_input`` and its ``dense_shift``: both or neither, fitting a Criteo line's layout."""
+    kind, shift = raw.get("raw_input"), raw.get("dense_shift")
+    fit = "scripts/build_mar.py --fit-dense-shift day_0.tsv --write-config model-config.yaml"
+    if kind is None:
+        if shift is not None:
+            raise ConfigError("handler.dense_shift: only used with raw_input: criteo_tsv (drop it, or set "
+                              "raw_input: criteo_tsv)")
+        return {}
+    if kind not in RAW_INPUTS:
+        raise ConfigError(f"handler.raw_input: expected one of {', '.join(RAW_INPUTS)}, got {kind!r} "
+                          "(e.g. raw_input: criteo_tsv)")
+    if raw["num_dense_features"] != 13 or num_sparse != 26:
+        raise ConfigError(f"handler.raw_input: criteo_tsv needs a Criteo line's layout, num_dense_features: 13 "
+                          f"and 26 sparse_features, got {raw['num_dense_features']!r} and {num_sparse}")
+    if shift is None:
+        raise ConfigError(f"handler.dense_shift: required with raw_input: criteo_tsv (2 - the training data's "
+                          f"minimum dense value, e.g. dense_shift: 3; fit it with {fit})")
+    if isinstance(shift, bool) or not isinstance(shift, (int, float)) or not abs(shift) < 2**31:
+        raise ConfigError(f"handler.dense_shift: expected a finite number, got {shift!r} (e.g. dense_shift: 3; "
+                          f"fit it with {fit})")
+    return {"raw_input": kind, "dense_shift": shift}
 
 
 def _positive_int(value: Any, key: str, example: str) -> int:

@@ -49,6 +49,7 @@ _CLIENT_ID = re.compile(r"[!-~]{1,128}")  # visible ASCII: safe to log and to se
 URL_PATH = ("url_path",)
 HOST = ("Host", "host", "HOST")
 BINARY_SPELLINGS = (BINARY_HEADER, BINARY_HEADER.lower())
+CONTENT_TYPE = ("Content-Type", "content-type", "Content-type", "CONTENT-TYPE")
 
 
 class TorchRecDLRMHandler(BaseHandler, ABC):
@@ -99,7 +100,8 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         t.append(time.perf_counter())
         out = self.postprocess(scored)
         t.append(time.perf_counter())
-        _record_metrics(context.metrics, len(data), pre[0], scored[1], t)
+        _record_metrics(context.metrics, len(data), pre[0], scored[1], t,
+                        sum(getattr(self.requests[i], "clipped", 0) for i in scored[0]))
         return out
 
     def preprocess(self, data):
@@ -118,7 +120,7 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
                 errors[i] = e
                 body = None
             req = open_request(body, kserve_route, _header(self.context, i, BINARY_SPELLINGS), self.parser,
-                               self.model_id)
+                               self.model_id, _header(self.context, i, CONTENT_TYPE))
             self.requests.append(req)
             if i in errors:
                 continue
@@ -187,7 +189,7 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         return out
 
 
-def _record_metrics(metrics, n_requests: int, batches: list, errors: dict, t: list[float]) -> None:
+def _record_metrics(metrics, n_requests: int, batches: list, errors: dict, t: list[float], clipped: int = 0) -> None:
     """One batch's counters; each is declared in metrics.yaml with exactly these dimensions
     (TorchServe appends ModelName and Level) or TorchServe drops it. Fresh Dimension lists:
     TorchServe's metrics API appends to the list it is given."""
@@ -200,6 +202,8 @@ def _record_metrics(metrics, n_requests: int, batches: list, errors: dict, t: li
     remapped = sum(b.remapped_ids for b, _ in batches)
     if remapped:
         metrics.add_counter("dlrm_remapped_ids_total", remapped, None, [])
+    if clipped:
+        metrics.add_counter("dlrm_clipped_dense_total", clipped, None, [])
     for kind, count in collections.Counter(type(e).__name__ for e in errors.values()).items():
         metrics.add_counter("dlrm_rejected_requests_total", count, None, [Dimension("ErrorType", kind)])
 
@@ -211,7 +215,7 @@ def _body(row: dict, ctx, idx: int):
         if row.get(key) is not None:
             return row[key]
     try:
-        content_type = (_header(ctx, idx, ("Content-Type", "content-type")) or "").lower()
+        content_type = (_header(ctx, idx, CONTENT_TYPE) or "").lower()
     except Exception:  # header lookups differ across TorchServe versions and fakes
         content_type = ""
     if row or content_type.startswith(("application/x-www-form-urlencoded", "multipart/form-data")):

@@ -34,6 +34,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+import dlrm_criteo
 from dlrm_core import ParsedRequest, RequestParser, error_body, response_body
 from dlrm_errors import BadRequest, PayloadTooLarge, RequestError
 
@@ -68,6 +69,34 @@ class Predictions:
 
     def error(self, err: RequestError) -> Reply:
         return Reply(error_body(err))
+
+
+class CriteoLines(Predictions):
+    """``Content-Type: text/tab-separated-values`` on /predictions with ``handler.raw_input:
+    criteo_tsv``: one Criteo log line per row, transformed as in training (dlrm_criteo), answered
+    as ``{"scores": [...]}`` like the JSON forms. ``clipped``: the dense values the parse clipped
+    to the training minimum (a metric)."""
+
+    clipped = 0
+
+    def parse(self) -> ParsedRequest:
+        c = self.parser.config
+        if c.raw_input != "criteo_tsv":
+            raise BadRequest(f"Content-Type: {dlrm_criteo.CONTENT_TYPE} is Criteo log lines, which this model "
+                             "does not take (handler.raw_input is not set); send JSON with Content-Type: "
+                             "application/json")
+        raw = dlrm_criteo.to_bytes(self.body)
+        n = dlrm_criteo.count_lines(raw)
+        if n > c.max_instances_per_request:
+            raise PayloadTooLarge(f"body: at most {c.max_instances_per_request} lines per request "
+                                  f"(handler.max_instances_per_request), got {n}")
+        if n * c.num_features > c.max_ids_per_request:
+            raise PayloadTooLarge(f"body: at most {c.max_ids_per_request} ids per request "
+                                  f"(handler.max_ids_per_request: {c.num_features} per line), got {n * c.num_features}")
+        lines = dlrm_criteo.parse(raw, c.sparse_features)
+        dense, self.clipped = dlrm_criteo.dense_features(lines.dense, c.dense_shift)
+        return ParsedRequest.single_hot_matrix(dense, range(c.num_features), np.ascontiguousarray(lines.ids.T),
+                                               c.sparse_features)
 
 
 class KServeV1(Predictions):
@@ -365,11 +394,14 @@ def _name(dtype: np.dtype) -> str:
 # --- choosing the protocol ------------------------------------------------------------------
 
 def open_request(body: Any, kserve_route: bool, json_length: str | None, parser: RequestParser,
-                 model: tuple[str, str]) -> Predictions:
+                 model: tuple[str, str], content_type: str | None = None) -> Predictions:
     """The protocol object of one request. ``kserve_route``: it came on /v1 or /v2 rather than
-    /predictions or gRPC; ``json_length``: its Inference-Header-Content-Length, if any.
+    /predictions or gRPC; ``json_length``: its Inference-Header-Content-Length, if any;
+    ``content_type``: its Content-Type (text/tab-separated-values: Criteo lines).
     On a KServe route, a binary header or an ``inputs`` field means v2, anything else v1."""
     if not kserve_route:
+        if content_type and content_type.split(";")[0].strip().lower() == dlrm_criteo.CONTENT_TYPE:
+            return CriteoLines(body, parser)
         return Predictions(body, parser)
     if json_length is not None:
         try:

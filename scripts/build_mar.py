@@ -7,6 +7,12 @@
     python scripts/build_mar.py --checkpoint ckpt/ --write-config my.yaml   # a config that fits; builds nothing
     python scripts/build_mar.py --checkpoint ckpt/ --write-config my.yaml --feature-order user,item,ctx
     python scripts/build_mar.py --config my.yaml --checkpoint ckpt/ --verify eval.jsonl --force
+    python scripts/build_mar.py --fit-dense-shift day_0.tsv --config model-config.criteo.yaml --write-config my.yaml
+
+--fit-dense-shift reads training TSV files and computes ``handler.dense_shift`` as torchrec's
+tsv_to_npys did (2 - the file's minimum dense value, per file), then writes --config (or, with
+--checkpoint, the config derived from it) with raw_input: criteo_tsv and that shift to
+--write-config; it builds nothing.
 
 --checkpoint takes a .pt/.pth state_dict (or a dict holding one under model / model_state_dict /
 state_dict) or a torch.distributed.checkpoint directory, from DLRMTrain / DistributedModelParallel
@@ -32,7 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 # Shipped beside the handler in the archive; TorchServe puts them on the worker's sys.path.
-EXTRA_FILES = ["dlrm_factory.py", "dlrm_core.py", "dlrm_config.py", "dlrm_errors.py", "dlrm_scale.py", "dlrm_kserve.py"]
+EXTRA_FILES = ["dlrm_factory.py", "dlrm_core.py", "dlrm_config.py", "dlrm_errors.py", "dlrm_scale.py", "dlrm_kserve.py",
+               "dlrm_criteo.py"]
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -55,6 +62,9 @@ def main(argv: list[str] | None = None) -> Path:
                     "a worker loads it; differences over --verify-tolerance fail the build and leave no archive")
     ap.add_argument("--verify-tolerance", type=float, default=1e-5, metavar="T",
                     help="largest |served - trainer| score --verify accepts (default: %(default)s)")
+    ap.add_argument("--fit-dense-shift", nargs="+", metavar="TSV",
+                    help="with --write-config: fit handler.dense_shift on these training TSV files as torchrec's "
+                    "tsv_to_npys does (per file) and write a config serving raw Criteo lines (raw_input: criteo_tsv)")
     ap.add_argument("--output-dir", default=str(ROOT / "model_store"), help="where the .mar goes (default: %(default)s)")
     ap.add_argument("--model-name", default="dlrm", help="archive and endpoint name (default: %(default)s)")
     ap.add_argument("--version", default="1.0", help="model version recorded in the archive (default: %(default)s)")
@@ -65,12 +75,23 @@ def main(argv: list[str] | None = None) -> Path:
 
     from dlrm_checkpoint import import_checkpoint, verify_archive, write_config
     from dlrm_config import DLRMConfig
-    from dlrm_errors import ConfigError
+    from dlrm_errors import BadRequest, ConfigError
     from dlrm_factory import DLRMFactory
 
     order = [f.strip() for f in args.feature_order.split(",")] if args.feature_order else None
     if order is not None and not args.checkpoint:
         ap.error("--feature-order needs --checkpoint PATH")
+    if args.fit_dense_shift:
+        if not args.write_config:
+            ap.error("--fit-dense-shift needs --write-config OUT.yaml")
+        try:
+            if args.checkpoint:
+                write_config(args.checkpoint, args.write_config, feature_order=order)
+            fit_dense_shift(args.fit_dense_shift, args.write_config if args.checkpoint else args.config,
+                            args.write_config)
+        except (ConfigError, BadRequest) as e:
+            sys.exit(f"error: {getattr(e, 'message', e)}")
+        return Path(args.write_config)
     if args.write_config:
         if not args.checkpoint:
             ap.error("--write-config needs --checkpoint PATH")
@@ -143,6 +164,49 @@ def main(argv: list[str] | None = None) -> Path:
         sys.exit(f"error: {e}")
     print(f"[build] {mar} ({mar.stat().st_size / 1e6:.1f} MB)")
     return mar
+
+
+def fit_dense_shift(files: list[str], config: str, out: str) -> float:
+    """Fit dense_shift on each training file, write ``config`` with raw_input: criteo_tsv and
+    the shift to ``out`` (its other lines and comments kept), say what each file got."""
+    import re
+    from collections import Counter
+
+    import dlrm_criteo
+    from dlrm_config import DLRMConfig
+
+    shifts = {}
+    for path in files:
+        print(f"[fit] {path}", flush=True)
+        shifts[path], lines = dlrm_criteo.fit_dense_shift(
+            path, progress=lambda n: print(f"[fit]   {n:,} lines", flush=True) if n >= 1_000_000 else None)
+        print(f"[fit] {path}: {lines:,} lines, min dense {2 - shifts[path]}, dense_shift {shifts[path]}", flush=True)
+    # tsv_to_npys shifts each file by its own minimum: a model trained on files that disagree saw
+    # differently shifted days. The shift most files got is written; the others are named.
+    shift = Counter(shifts.values()).most_common(1)[0][0]
+    if len(set(shifts.values())) > 1:
+        others = ", ".join(f"{p}: {s}" for p, s in shifts.items() if s != shift)
+        print(f"[fit] warning: the files' shifts disagree (tsv_to_npys shifted each by its own minimum); writing "
+              f"dense_shift {shift}, which {sum(s == shift for s in shifts.values())} of {len(shifts)} files got "
+              f"(the others: {others})", flush=True)
+    text = Path(config).read_text()
+    # Ids fold into their tables as torchrec's InMemoryBinaryCriteoIterDataPipe(hashes=...) does,
+    # unless the config says otherwise.
+    fold = [] if re.search(r"^\s+id_overflow:", text, re.M) else [("id_overflow", "modulo")]
+    for key, value in (("raw_input", "criteo_tsv"), ("dense_shift", str(shift)), *fold):
+        pattern = re.compile(rf"^(\s+){key}:.*$", re.M)
+        if pattern.search(text):
+            text = pattern.sub(lambda m: f"{m.group(1)}{key}: {value}", text, count=1)
+        else:
+            m = re.search(r"^handler:[^\n]*\n(\s+)", text, re.M)
+            if not m:
+                raise ConfigError(f"{config}: no handler: section to write dense_shift into")
+            text = text[: m.end()] + f"{key}: {value}\n{m.group(1)}" + text[m.end():]
+    Path(out).write_text(text)
+    written = DLRMConfig.from_yaml(out)
+    print(f"[fit] wrote raw_input: criteo_tsv, dense_shift: {shift} to {out} (id_overflow: {written.id_overflow})",
+          flush=True)
+    return shift
 
 
 if __name__ == "__main__":

@@ -61,8 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=0.05, help="Adagrad learning rate (default: %(default)s)")
     ap.add_argument("--heldout", type=int, default=1000, help="held-out rows (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="data and init seed (default: %(default)s)")
-    ap.add_argument("--tsv", help="Criteo-format TSV (label, 13 ints, 26 hex ids) instead of synthetic clicks; "
-                    "dense log(max(x,0)+1), ids int(hex,16) %% rows; the last --heldout rows are held out")
+    ap.add_argument("--tsv", help="Criteo-format TSV (label, 13 ints, 26 hex ids) instead of synthetic clicks, "
+                    "transformed as torchrec's tsv_to_npys does and as the handler serves raw lines (dlrm_criteo: "
+                    "dense ln(x + 2 - min), ids int(hex, 16) %% rows); the last --heldout lines are held out and "
+                    "saved raw in heldout.json (lines, dense_shift)")
     args = ap.parse_args(argv)
     args.dense_arch = [int(x) for x in args.dense_arch.split(",")]
     args.over_arch = [int(x) for x in args.over_arch.split(",")]
@@ -103,13 +105,17 @@ class Clicks:
         self.labels = torch.bernoulli(torch.sigmoid(logit), generator=gen)
 
     def _read_tsv(self, path: Path):
-        dense, ids, labels = [], [], []
-        for line in path.read_text().splitlines():
-            cols = line.split("\t")
-            labels.append(float(cols[0]))
-            dense.append([math.log(max(int(x or "0"), 0) + 1) for x in cols[1:14]])
-            ids.append([int(x or "0", 16) % self.args.rows for x in cols[14:40]])
-        return torch.tensor(dense), torch.tensor(ids), torch.tensor(labels)
+        """The file through the handler's own transform, shifted by the file's minimum as
+        tsv_to_npys does (``self.dense_shift``); the held-out lines kept raw in ``self.lines``."""
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        import dlrm_criteo
+
+        parsed = dlrm_criteo.read_file(path)
+        self.dense_shift = dlrm_criteo.MIN_SHIFTED - int(parsed.dense.min())
+        dense, _ = dlrm_criteo.dense_features(parsed.dense, self.dense_shift)
+        self.lines = path.read_text().rstrip("\r\n").split("\n")[-self.args.heldout:]
+        return (torch.from_numpy(dense), torch.from_numpy(parsed.ids % self.args.rows),
+                torch.from_numpy(parsed.labels.clip(0)).float())
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -209,6 +215,8 @@ def worker(rank: int, args, port: int) -> None:
                 for d, i in zip(dense.tolist(), ids.tolist())]
         doc = {"dense_features": dense_names, "sparse_features": sparse_names, "interaction": args.interaction,
                "rows": rows, "labels": labels.tolist(), "scores": scores.tolist(), "auc": auc(scores, labels)}
+        if args.tsv:  # what a server with raw_input: criteo_tsv is sent, and the shift it needs
+            doc.update(lines=[line.rstrip("\r") for line in data.lines], dense_shift=data.dense_shift)
         (out / "heldout.json").write_text(json.dumps(doc))
         (out / "verify.jsonl").write_text("".join(
             json.dumps({"request": {"instances": rows[i:i + 100]}, "scores": doc["scores"][i:i + 100],
