@@ -7,7 +7,7 @@ MAR     := model_store/dlrm.mar
 # when it exists (criteo, dlrmv2), else serve.py's default (the seed layout's); SAMPLE=FILE overrides.
 SAMPLE  ?= $(wildcard $(patsubst model-config.%.yaml,sample_requests/%.json,$(filter model-config.%.yaml,$(notdir $(CONFIG)))))
 SAMPLE_ARG = $(if $(SAMPLE),--sample $(SAMPLE))
-SOURCES := dlrm_handler.py dlrm_factory.py dlrm_core.py dlrm_config.py dlrm_errors.py dlrm_scale.py dlrm_kserve.py dlrm_checkpoint.py \
+SOURCES := dlrm_handler.py dlrm_factory.py dlrm_core.py dlrm_config.py dlrm_errors.py dlrm_scale.py dlrm_kserve.py dlrm_checkpoint.py dlrm_cpus.py \
            scripts/build_mar.py
 # A trained checkpoint to serve (docs/trained-models.md): a .pt/.pth file or a DCP directory,
 # whose files the archive then depends on.
