@@ -371,7 +371,7 @@ def config_text(ckpt: Checkpoint, handler: dict, derived: list[str], assumed: li
     c = DLRMConfig.from_dict(handler)
     weights_mb = sum(c.num_embeddings) * c.embedding_dim * 4 / 1e6
     shipped = yaml.safe_load((Path(__file__).resolve().parent / "model-config.yaml").read_text())
-    top = {k: shipped[k] for k in ("minWorkers", "maxWorkers", "batchSize", "maxBatchDelay")}
+    top = {k: shipped[k] for k in ("minWorkers", "maxWorkers", "batchSize", "maxBatchDelay") if k in shipped}
     top.update(startupTimeout=max(120, math.ceil(2 * (30 + weights_mb / 100))),
                responseTimeout=max(60, math.ceil(10 * (5 + weights_mb / 100))))
     lines = [f"# Written by scripts/build_mar.py --write-config from {ckpt.path} ({ckpt.kind}).",

@@ -25,6 +25,7 @@ from ts.utils.util import PredictionException
 
 from dlrm_config import DLRMConfig
 from dlrm_core import RequestParser, collate, scores
+from dlrm_cpus import torch_threads
 from dlrm_errors import BadRequest, ConfigError, RequestError
 from dlrm_factory import DLRMFactory
 from dlrm_kserve import BINARY_HEADER, open_request
@@ -71,7 +72,8 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
         devices = worker_devices(props.get("gpu_id"), context.model_yaml_config, cuda)
         self.device = devices[0]
-        workers = (context.model_yaml_config or {}).get("maxWorkers") or 1
+        # maxWorkers when the config pins it, else the CPU rule's count (tsctl starts that many)
+        workers = (context.model_yaml_config or {}).get("maxWorkers")
         torch.set_num_threads(torch_threads(self.config.torch_threads, workers))
         started = time.perf_counter()
         factory = DLRMFactory(self.config)
@@ -224,15 +226,6 @@ def _body(row: dict, ctx, idx: int):
             "(add -H 'Content-Type: application/json' to curl)"
         )
     return None
-
-
-def torch_threads(configured: int, workers: int) -> int:
-    """Intra-op threads for one worker: as configured, else its share of the cores less one
-    for TorchServe's frontend. More threads than cores makes OpenMP's spinning threads fight
-    the frontend and each other: on 2 cores, 2 threads served ~10x fewer requests than 1."""
-    if configured:
-        return configured
-    return max(1, ((os.cpu_count() or 1) - 1) // max(1, workers))
 
 
 def _client_request_id(ctx, idx: int) -> str | None:

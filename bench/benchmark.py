@@ -54,6 +54,7 @@ COLUMNS = "columns"  # the same 128 rows as RANKING: the context plus the candid
 COLUMNS_ALL = "columns-all"  # the same 128 rows as instances (every feature), as columns
 V2_BINARY = "v2-binary"  # 128 rows as Open Inference Protocol v2 binary tensors (in-process only)
 QUANTIZED = ("fp16", "int8")  # served at the headline points beside fp32
+SHIPPED_BEFORE = "dlrm_1x1"  # the same model pinned to the previous default, 1 worker x 1 thread
 
 
 def log(msg: str) -> None:
@@ -336,7 +337,8 @@ def bench_handler(handler, cfg, seconds: float) -> list[dict]:
 
 def build_archives(cfg_path: Path, store: Path) -> None:
     """The DLRM archive (as configured), the same model with fp16 and int8 tables
-    (dlrm_fp16, dlrm_int8), and an echo archive with the same TorchServe settings."""
+    (dlrm_fp16, dlrm_int8) and pinned to 1 worker x 1 thread (SHIPPED_BEFORE), and an echo
+    archive with the same TorchServe settings."""
     import yaml
 
     subprocess.run([sys.executable, str(HERE.parent / "scripts" / "build_mar.py"), "--config", str(cfg_path),
@@ -347,6 +349,12 @@ def build_archives(cfg_path: Path, store: Path) -> None:
         (store / f"config-{dtype}.yaml").write_text(yaml.safe_dump(doc))
         subprocess.run([sys.executable, str(HERE.parent / "scripts" / "build_mar.py"), "--config", str(store / f"config-{dtype}.yaml"),
                         "--output-dir", str(store), "--model-name", f"dlrm_{dtype}", "--force"], check=True)
+    doc = yaml.safe_load(cfg_path.read_text())  # the previous default: 1 worker x 1 thread
+    doc.update(minWorkers=1, maxWorkers=1)
+    doc["handler"]["torch_threads"] = 1
+    (store / "config-1x1.yaml").write_text(yaml.safe_dump(doc))
+    subprocess.run([sys.executable, str(HERE.parent / "scripts" / "build_mar.py"), "--config", str(store / "config-1x1.yaml"),
+                    "--output-dir", str(store), "--model-name", SHIPPED_BEFORE, "--force"], check=True)
     doc = yaml.safe_load(cfg_path.read_text())
     doc.pop("handler", None)
     echo_cfg = store / "echo-config.yaml"
@@ -472,17 +480,22 @@ def bench_served(srv: Server, model: str, bodies: dict, duration: float, profile
 TURN_STEPS = (("dlrm c=1", "dlrm", 1, 1), ("echo c=1", "echo", 1, 1), ("raw B=1 paced", None, None, 1),
               ("dlrm c=64", "dlrm", 1, 64), ("echo c=64", "echo", 1, 64), ("raw B=32", None, None, 32),
               ("ranking c=16", "dlrm", RANKING, 16), ("columns c=16", "dlrm", COLUMNS, 16),
-              ("instances c=16", "dlrm", RANKING_ROWS, 16), ("raw B=128", None, None, RANKING_ROWS))
+              ("instances c=16", "dlrm", RANKING_ROWS, 16), ("raw B=128", None, None, RANKING_ROWS),
+              ("host B=128", "host", None, RANKING_ROWS), ("1x1 c=64", SHIPPED_BEFORE, 1, 64),
+              ("1x1 ranking c=16", SHIPPED_BEFORE, RANKING, 16))
 
 
-def bench_turns(srv: Server, model, cfg, bodies: dict, turns: int, seconds: float) -> list[dict]:
+def bench_turns(srv: Server, model, cfg, bodies: dict, turns: int, seconds: float, host) -> list[dict]:
     """Both sides of every served target, back to back, in ``turns`` turns (the order reversed
     every other turn): the DLRM and echo single-row points at c=1 and c=64, the 128-row forms at
     c=16, and ``model`` (the served one, loaded in this process) at batch 1 (paced), 32 and 128.
     The single pass of part 3 measures the raw forward minutes before the served points and
     the echo points minutes after them: a burst of other work on the shared machine in between
     moved its ratios (ranking form at c=16: 0.72-1.03 over eight runs of one commit); here it
-    moves both sides of a ratio alike. Returns, per turn, each step's figure (p50 ms at c=1,
+    moves both sides of a ratio alike. The 128-row forms divide by ``host`` (server_scenario.
+    HostForward: the forward on every CPU, the better of N processes and N threads); the
+    single-row c=64 point is also set against the same model served as before this round
+    (SHIPPED_BEFORE: 1 worker x 1 thread). Returns, per turn, each step's figure (p50 ms at c=1,
     else req/s or rows/s) and the targets' ratios."""
     rng = random.Random(4)
     callers = {b: raw_caller(cfg, b, rng)(model) for _, _, kind, b in TURN_STEPS if kind is None}
@@ -490,7 +503,9 @@ def bench_turns(srv: Server, model, cfg, bodies: dict, turns: int, seconds: floa
     for turn in range(turns):
         got = {}
         for name, served, kind, c in (TURN_STEPS if turn % 2 == 0 else TURN_STEPS[::-1]):
-            if served is None and c == 1:
+            if served == "host":
+                got[name] = host.measure(c, seconds / 2)["rows_per_s"]
+            elif served is None and c == 1:
                 got[name] = round(paced_p50(callers[c], seconds / 2) * 1e3, 3)
             elif served is None:
                 t = timed_calls(callers[c], seconds / 2)
@@ -503,7 +518,9 @@ def bench_turns(srv: Server, model, cfg, bodies: dict, turns: int, seconds: floa
         ratios = {
             "c1": got["dlrm c=1"] / (got["echo c=1"] + got["raw B=1 paced"]),
             "c64": got["dlrm c=64"] * (1 / got["echo c=64"] + 1 / got["raw B=32"]),
-            **{form: got[f"{form} c=16"] / got["raw B=128"] for form in ("ranking", "columns", "instances")},
+            **{form: got[f"{form} c=16"] / got["host B=128"] for form in ("ranking", "columns", "instances")},
+            "c64_vs_1x1": got["dlrm c=64"] / got["1x1 c=64"],
+            "ranking_vs_1x1": got["ranking c=16"] / got["1x1 ranking c=16"],
         }
         out.append({"turn": turn + 1, "figures": got, "ratios": {k: round(v, 3) for k, v in ratios.items()}})
         log(f"turn {turn + 1}/{turns}: " + ", ".join(f"{k} {v}" for k, v in got.items())
@@ -628,7 +645,7 @@ def summarise_profile(raw: Path, top: int = 30) -> None:
 
 # --- report --------------------------------------------------------------------------------------
 
-def targets(raw, handler_rows, turns) -> list[dict]:
+def targets(raw, handler_rows, turns, scenario=()) -> list[dict]:
     """The issue's targets, each a ratio of this run's own figures: the served ones the median
     over the turns of bench_turns (each turn's two sides measured back to back), with their
     range."""
@@ -646,8 +663,10 @@ def targets(raw, handler_rows, turns) -> list[dict]:
                0.85, True),
     ]
     for form in ("ranking", "columns", "instances"):
-        out.append(served(form, f"ranking (128 rows, {form} form) c=16: served rows/s >= 0.75 x raw forward rows/s "
-                                f"at B=128", 0.75, True))
+        out.append(served(form, f"ranking (128 rows, {form} form) c=16: served rows/s >= 0.75 x the host's raw forward "
+                                f"rows/s at B=128 (all CPUs)", 0.75, True))
+    out.append(served("c64_vs_1x1", "single-row c=64: served req/s with the CPU rule's workers >= 1.0 x the previous "
+                                    "default's (1 worker x 1 thread)", 1.0, True))
     for form in ("ranking", "columns", "instances", "columns-all", "v2-binary"):
         h = find(handler_rows, requests=1, rows_per_request=RANKING_ROWS, form=form)
         out.append({"target": f"parse + collate of one 128-row request ({form} form) <= 0.10 x its forward",
@@ -655,12 +674,18 @@ def targets(raw, handler_rows, turns) -> list[dict]:
     out.append({"target": "raw fp32 forward rows/s at B=32, fused kernel >= 1.3 x unfused EmbeddingBagCollection",
                 "value": find(raw, batch=32).get("fused_vs_unfused"), "bound": 1.3, "higher_is_better": True})
     out[-1]["target"] += " (served model: also jit-frozen dense parts)"
+    for r in scenario:
+        if r["config"] == "model-config.criteo.yaml":
+            out.append({"target": f"MLPerf-shaped Server scenario ({r['config']}): pairs/s at the highest rate with p99 <= "
+                                  "60 ms >= 0.6 x the host's raw forward rows/s at B=256",
+                        "value": r["vs_host"], "bound": 0.6, "higher_is_better": True})
     return out
 
 
 def markdown(report) -> str:
     m = report["machine"]
-    lines = [f"Machine: {m['cpus']} CPUs ({m['processor']}), torch {m['torch']}, {m['torch_threads']} torch threads; "
+    lines = [f"Machine: {m['cpus']} CPUs ({m.get('available_cpus', m['cpus'])} available to the benchmark: affinity and "
+             f"cgroup quota; {m['processor']}), torch {m['torch']}, {m['torch_threads']} torch threads per worker; "
              f"config `{report['config']}`; TorchServe batchSize {report['torchserve']['batchSize']}, "
              f"maxBatchDelay {report['torchserve']['maxBatchDelay']} ms, {report['torchserve']['workers']} worker(s); "
              f"served points after {report['torchserve'].get('warm_up_s', 0):.0f} s of warm-up load.", ""]
@@ -706,6 +731,10 @@ def markdown(report) -> str:
                   "|---|" + "---:|" * len(turns)]
         lines += [f"| {name} | " + " | ".join(f"{t['figures'][name]:,}" for t in turns) + " |" for name in turns[0]["figures"]]
         lines += [f"| ratio: {name} | " + " | ".join(str(t["ratios"][name]) for t in turns) + " |" for name in turns[0]["ratios"]]
+    if report.get("server_scenario"):
+        import server_scenario
+
+        lines += server_scenario.markdown(report["server_scenario"])
     lines += ["", "**Targets**", "", "| target | measured | range over turns | bound | |", "|---|---:|---:|---:|---|"]
     for t in report["targets"]:
         ok = t["value"] >= t["bound"] if t["higher_is_better"] else t["value"] <= t["bound"]
@@ -769,6 +798,11 @@ def main() -> int:
                     help="turns in which both sides of every served target are measured back to back (default: %(default)s)")
     ap.add_argument("--turn-seconds", type=float, default=4.0,
                     help="seconds per served point in a turn, after a 2 s warm-up (default: %(default)s)")
+    ap.add_argument("--scenario-seconds", type=float, default=8.0,
+                    help="seconds per probed rate of the MLPerf-shaped Server scenario; 0 leaves it out "
+                         "(default: %(default)s)")
+    ap.add_argument("--scenario-configs", nargs="*", default=[str(ROOT / "model-config.dlrmv2.yaml")],
+                    help="configs served on their own for the scenario, beside --config's model (default: %(default)s)")
     ap.add_argument("--out", default=str(ROOT / "results"), help="output folder (default: %(default)s)")
     args = ap.parse_args()
 
@@ -803,13 +837,17 @@ def main() -> int:
         threads = torch.get_num_threads()
         served_model = handler.model  # the served model, for the raw side of the turns
         del handler
+        import server_scenario
+
+        log("the host's raw forward: one process per CPU, beside one process with a thread per CPU")
+        host = server_scenario.HostForward(cfg_path, tmp / "model" / "dlrm.pt", served_model, cfg)
 
         rng = random.Random(3)
         bodies = {1: [make_body(cfg, rng, 1) for _ in range(256)],
                   RANKING_ROWS: [make_body(cfg, rng, RANKING_ROWS) for _ in range(16)],
                   RANKING: [make_ranking_body(cfg, rng, RANKING_ROWS) for _ in range(16)],
                   COLUMNS: [make_columns_body(cfg, rng, RANKING_ROWS) for _ in range(16)]}
-        models = ["dlrm", *(f"dlrm_{d}" for d in QUANTIZED), "echo"]
+        models = ["dlrm", *(f"dlrm_{d}" for d in QUANTIZED), SHIPPED_BEFORE, "echo"]
         srv = Server.on_free_ports(tmp / "home", model_store=store,
                                    overrides={"load_models": ",".join(f"{m}={m}.mar" for m in models)})
         log(f"starting TorchServe (logs in {srv.log_dir})")
@@ -827,21 +865,33 @@ def main() -> int:
             served += bench_served(srv, "echo", {k: bodies[k] for k in (1, RANKING_ROWS)}, args.duration)
             kserve_v2 = bench_v2(srv, cfg, rng, args.duration)
             log(f"the served targets' sides back to back: {args.turns} turns of {args.turn_seconds:.0f} s per point")
-            turns = bench_turns(srv, served_model, cfg, bodies, args.turns, args.turn_seconds)
+            turns = bench_turns(srv, served_model, cfg, bodies, args.turns, args.turn_seconds, host)
+            workers = len(srv.worker_pids("dlrm"))
+            scenario = []
+            if args.scenario_seconds > 0:
+                log(f"MLPerf-shaped Server scenario on {cfg_path.name}")
+                scenario.append(server_scenario.scenario(srv, "dlrm", cfg, host, args.scenario_seconds, args.raw_seconds / 2))
+                scenario[-1].update(config=cfg_path.name, workers=workers)
         finally:
             srv.stop()
+            host.close()
+        for other in args.scenario_configs if args.scenario_seconds > 0 else []:
+            log(f"MLPerf-shaped Server scenario on {Path(other).name}")
+            scenario.append(server_scenario.serve_and_measure(Path(other).resolve(), tmp, args.scenario_seconds,
+                                                              args.raw_seconds / 2))
 
     report = {
         "command": "python bench/benchmark.py " + " ".join(sys.argv[1:]),
         "config": cfg_path.name,
-        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+        "machine": {"cpus": os.cpu_count(), "available_cpus": len(host.cpus), "processor": platform.processor() or platform.machine(),
                     "torch": torch.__version__, "torch_threads": threads},
-        "torchserve": {k: ts_doc.get(k) for k in ("batchSize", "maxBatchDelay")} | {"workers": ts_doc.get("minWorkers", 1),
+        "torchserve": {k: ts_doc.get(k) for k in ("batchSize", "maxBatchDelay")} | {"workers": workers,
                                                                                      "warm_up_s": args.server_warm_up},
         "raw_forward": raw, "handler": handler_rows, "served": served, "kserve_v2": kserve_v2, "turns": turns,
+        "server_scenario": scenario,
         "wall_s": round(time.perf_counter() - started),
     }
-    report["targets"] = targets(raw, handler_rows, turns)
+    report["targets"] = targets(raw, handler_rows, turns, scenario)
     (out / "benchmark.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "benchmark.md").write_text(markdown(report))
     try:

@@ -3,6 +3,8 @@
 
     python bench/knobs.py                   # what `make knobs` runs; ~10 minutes
     python bench/knobs.py --rounds 1 --duration 3    # a quick look
+    python bench/knobs.py --placements --cpus 1 2 --rounds 3 --duration 5 --out results/cpu-rule
+                                            # workers x threads on 1 and 2 CPUs (dlrm_cpus.cpu_rule)
 
 Each setting is a fresh TorchServe (the shipped config.properties plus the setting's
 overrides) serving the Criteo-layout archive; each is measured at the two headline points
@@ -10,7 +12,10 @@ overrides) serving the Criteo-layout archive; each is measured at the two headli
 ``--rounds`` rounds, the settings' order reversed every other round, so that a drift of the
 shared machine hits every setting alike. Reported per setting: the median over rounds of
 req/s, rows/s and p99, and each as a ratio to the shipped setting measured in the same rounds.
-Writes results/knobs.json and results/knobs.md (--out).
+Writes results/knobs.json and results/knobs.md (--out). With ``--cpus``, every setting is also
+measured with TorchServe (frontend and workers) pinned to the first N CPUs of this process
+(sched_setaffinity before the start; the load generator is not pinned), each CPU count with its
+own reference setting; with ``--placements`` the settings are workers x torch threads.
 The shipped settings were chosen from the run in results/knobs-focus.* (docs/performance.md).
 """
 
@@ -46,22 +51,27 @@ SETTINGS = {
     "maxBatchDelay=5": ({}, {"maxBatchDelay": 5}),
     "batchSize=128 + netty_client_threads=1": ({"netty_client_threads": 1}, {"batchSize": 128}),
 }
+# workers x torch threads per worker (the CPU rule's candidates, dlrm_cpus.cpu_rule)
+PLACEMENTS = {f"{w} worker(s) x {t} thread(s)": ({}, {"minWorkers": w, "maxWorkers": w, "torch_threads": t})
+              for w, t in ((1, 1), (2, 1), (1, 2))}
 POINTS = ((1, 64), (RANKING, 16))  # (request kind, concurrency)
 
 
-def build(cfg_path: Path, store: Path, chosen: list[str]) -> dict[str, str]:
+def build(cfg_path: Path, store: Path, chosen: list[str], settings: dict) -> dict[str, str]:
     """One archive per distinct model-config override; returns setting -> archive name."""
     import yaml
 
     names = {}
     for name in chosen:
-        model_kw = SETTINGS[name][1]
+        model_kw = settings[name][1]
         key = "dlrm" if not model_kw else "dlrm_" + "_".join(f"{k}{v}" for k, v in model_kw.items())
         names[name] = key
         if (store / f"{key}.mar").exists():
             continue
         doc = yaml.safe_load(cfg_path.read_text())
-        doc.update(model_kw)
+        doc.update({k: v for k, v in model_kw.items() if k != "torch_threads"})
+        if "torch_threads" in model_kw:
+            doc["handler"]["torch_threads"] = model_kw["torch_threads"]
         cfg = store / f"{key}.yaml"
         cfg.write_text(yaml.safe_dump(doc))
         log(f"building {key}.mar")
@@ -73,8 +83,25 @@ def build(cfg_path: Path, store: Path, chosen: list[str]) -> dict[str, str]:
 
 def measure(srv: Server, model: str, bodies: dict, duration: float) -> dict:
     url = f"{srv.url}/predictions/{model}"
-    return {f"{'single' if kind == 1 else 'ranking'}_c{c}": measure_load(url, bodies[kind], rows_of(kind), c, duration)
-            for kind, c in POINTS}
+    out = {f"{'single' if kind == 1 else 'ranking'}_c{c}": measure_load(url, bodies[kind], rows_of(kind), c, duration)
+           for kind, c in POINTS}
+    out["memory"] = worker_memory(srv.worker_pids(model))
+    return out
+
+
+def worker_memory(pids: list[int]) -> dict:
+    """MB per worker: RSS, PSS (shared pages split among the processes mapping them) and USS
+    (pages only this worker holds: what one more worker costs, the mapped tables being shared)."""
+    import psutil
+
+    mem = [psutil.Process(p).memory_full_info() for p in pids]
+    return {k: round(sum(getattr(m, k) for m in mem) / len(mem) / 2**20, 1) for k in ("rss", "pss", "uss")}
+
+
+def pinned(cpus: int | None):
+    """The CPU set of the first ``cpus`` CPUs this process may use (None: all of them)."""
+    mine = sorted(os.sched_getaffinity(0))
+    return set(mine[:cpus]) if cpus else set(mine)
 
 
 def main() -> int:
@@ -82,12 +109,21 @@ def main() -> int:
     ap.add_argument("--config", default=str(ROOT / "model-config.criteo.yaml"), help="model config (default: %(default)s)")
     ap.add_argument("--duration", type=float, default=6.0, help="seconds per load point (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds over all settings (default: %(default)s)")
-    ap.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS), metavar="NAME",
-                    help="settings to measure, beside 'shipped' (default: all: %(choices)s)")
+    ap.add_argument("--settings", nargs="+", choices=list(SETTINGS) + list(PLACEMENTS), default=None, metavar="NAME",
+                    help="settings to measure, beside 'shipped' (default: all of SETTINGS, or of PLACEMENTS "
+                         "with --placements: %(choices)s)")
+    ap.add_argument("--placements", action="store_true",
+                    help="measure workers x torch threads (PLACEMENTS) instead of TorchServe's knobs; the first is "
+                         "the reference")
+    ap.add_argument("--cpus", type=int, nargs="+", default=[None],
+                    help="pin TorchServe to the first N CPUs, for each N given (default: no pinning)")
     ap.add_argument("--out", default=str(ROOT / "results" / "knobs"),
                     help="output path without suffix: writes OUT.json and OUT.md (default: %(default)s)")
     args = ap.parse_args()
-    chosen = ["shipped"] + [name for name in args.settings if name != "shipped"]
+    settings = PLACEMENTS if args.placements else SETTINGS
+    names = args.settings or list(settings)
+    ref = names[0] if args.placements else "shipped"
+    chosen = [ref] + [name for name in names if name != ref]
 
     from dlrm_config import DLRMConfig
 
@@ -96,51 +132,66 @@ def main() -> int:
     rng = random.Random(5)
     bodies = {1: [make_kind(1, cfg, rng) for _ in range(256)], RANKING: [make_kind(RANKING, cfg, rng) for _ in range(16)]}
     started = time.perf_counter()
-    runs: dict[str, list[dict]] = {name: [] for name in chosen}
+    # (CPUs, setting) -> one result per round; 1-CPU placements that need 2 CPUs are left out
+    cases = [(n, name) for n in args.cpus for name in chosen
+             if not (args.placements and n == 1 and settings[name][1]["torch_threads"] > 1)]
+    runs: dict[tuple, list[dict]] = {case: [] for case in cases}
     with tempfile.TemporaryDirectory(prefix="dlrm-knobs-") as tmp:
         tmp = Path(tmp)
         store = tmp / "store"
         store.mkdir()
-        archives = build(cfg_path, store, chosen)
-        order = chosen
+        archives = build(cfg_path, store, chosen, settings)
+        mine = os.sched_getaffinity(0)
         for r in range(args.rounds):
-            for name in order if r % 2 == 0 else order[::-1]:
-                props, _ = SETTINGS[name]
+            for n, name in cases if r % 2 == 0 else cases[::-1]:
+                props, _ = settings[name]
                 model = archives[name]
-                srv = Server.on_free_ports(tmp / f"home-{r}-{len(runs[name])}-{model}", model_store=store,
+                srv = Server.on_free_ports(tmp / f"home-{r}-{len(runs[n, name])}-{n}-{model}", model_store=store,
                                            overrides={"load_models": f"{model}={model}.mar", **props})
-                srv.start()
+                os.sched_setaffinity(0, pinned(n))  # the frontend and its workers inherit it
+                try:
+                    srv.start()
+                finally:
+                    os.sched_setaffinity(0, mine)
                 try:
                     srv.wait_ready(model, bodies[1][0], timeout=300)
                     got = measure(srv, model, bodies, args.duration)
                 finally:
                     srv.stop()
-                runs[name].append(got)
-                log(f"round {r + 1}/{args.rounds} {name}: " + ", ".join(
-                    f"{k} {v['requests_per_s']:,.0f} req/s p99 {v['p99_ms']:.1f} ms" for k, v in got.items()))
+                runs[n, name].append(got)
+                log(f"round {r + 1}/{args.rounds} {name} on {n or 'all'} CPU(s): " + ", ".join(
+                    f"{k} {v['requests_per_s']:,.0f} req/s p99 {v['p99_ms']:.1f} ms" for k, v in got.items()
+                    if k != "memory") + f"; worker USS {got['memory']['uss']} MB")
 
     report = {"command": "python bench/knobs.py " + " ".join(sys.argv[1:]), "config": cfg_path.name,
-              "cpus": os.cpu_count(), "rounds": args.rounds, "duration_s": args.duration, "settings": {}}
-    base = runs["shipped"]
-    for name, rs in runs.items():
-        row = {}
-        for point in rs[0]:
+              "cpus": len(os.sched_getaffinity(0)), "rounds": args.rounds, "duration_s": args.duration,
+              "reference": ref, "settings": {}}
+    for (n, name), rs in runs.items():
+        base = runs[n, ref]
+        row = {"pinned_cpus": n, "memory_mb_per_worker": rs[-1]["memory"]}
+        for point in (p for p in rs[0] if p != "memory"):
             med = {k: statistics.median(x[point][k] for x in rs) for k in ("requests_per_s", "rows_per_s", "p99_ms")}
-            # ratio to the shipped setting, round by round (the same stretch of machine time)
-            ratio = statistics.median(x[point]["requests_per_s"] / b[point]["requests_per_s"] for x, b in zip(rs, base))
-            row[point] = {**{k: round(v, 1) for k, v in med.items()}, "vs_shipped": round(ratio, 3),
+            # ratio to the reference setting, round by round (the same stretch of machine time)
+            ratios = [x[point]["requests_per_s"] / b[point]["requests_per_s"] for x, b in zip(rs, base)]
+            row[point] = {**{k: round(v, 1) for k, v in med.items()}, "vs_shipped": round(statistics.median(ratios), 3),
+                          "vs_range": [round(min(ratios), 3), round(max(ratios), 3)],
+                          "range": [round(min(x[point]["rows_per_s"] for x in rs)), round(max(x[point]["rows_per_s"] for x in rs))],
+                          "p99_range": [round(min(x[point]["p99_ms"] for x in rs), 1), round(max(x[point]["p99_ms"] for x in rs), 1)],
                           "errors": sum(x[point]["errors"] for x in rs)}
-        report["settings"][name] = row
+        report["settings"][name if n is None else f"{name} on {n} CPU(s)"] = row
     report["wall_s"] = round(time.perf_counter() - started)
-    lines = [f"TorchServe settings on {report['cpus']} CPUs, `{report['config']}`, 1 worker; median of "
-             f"{args.rounds} rounds of {args.duration:g} s per point; `vs shipped`: req/s over the shipped "
-             "setting's in the same round (median).", "",
-             "| setting | single row c=64 req/s | vs shipped | p99 ms | ranking 128 rows c=16 rows/s | vs shipped | "
-             "p99 ms | errors |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [f"TorchServe settings on {report['cpus']} CPUs, `{report['config']}`; median of {args.rounds} rounds of "
+             f"{args.duration:g} s per point, the cases' order reversed every round; `vs {ref}`: req/s over "
+             f"{ref}'s in the same round (median, range){' on the same CPUs' if args.cpus != [None] else ''}. "
+             "Worker memory: MB per worker (RSS / PSS / USS, the last the pages no other process shares).", "",
+             f"| setting | single row c=64 req/s | vs {ref} | p99 ms | ranking 128 rows c=16 rows/s (range) | vs {ref} | "
+             "p99 ms (range) | errors | worker MB RSS / PSS / USS |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, row in report["settings"].items():
-        s, k = row["single_c64"], row["ranking_c16"]
-        lines.append(f"| {name} | {s['requests_per_s']:,.0f} | {s['vs_shipped']} | {s['p99_ms']} | "
-                     f"{k['rows_per_s']:,.0f} | {k['vs_shipped']} | {k['p99_ms']} | {s['errors'] + k['errors']} |")
+        s, k, m = row["single_c64"], row["ranking_c16"], row["memory_mb_per_worker"]
+        lines.append(f"| {name} | {s['requests_per_s']:,.0f} | {s['vs_shipped']} ({'-'.join(map(str, s['vs_range']))}) | "
+                     f"{s['p99_ms']} | {k['rows_per_s']:,.0f} ({k['range'][0]:,}-{k['range'][1]:,}) | {k['vs_shipped']} "
+                     f"({'-'.join(map(str, k['vs_range']))}) | {k['p99_ms']} ({k['p99_range'][0]}-{k['p99_range'][1]}) | "
+                     f"{s['errors'] + k['errors']} | {m['rss']} / {m['pss']} / {m['uss']} |")
     write_report(Path(args.out), report, lines)
     return 0
 

@@ -11,8 +11,10 @@
 the archive with the config's batchSize / maxBatchDelay / timeouts), ``config/metrics.yaml``
 and ``model-store/dlrm.mar`` (built from the config, or copied with --mar).
 ``sizing`` writes the kustomize patch of the predictor's resources and probe timings from
-scripts/sizing.py for the config (memory for the chosen embedding dtype, one core per worker
-plus one for TorchServe's frontend, startupProbe allowing the config's startupTimeout).
+scripts/sizing.py for the config and a pod of --cpus CPUs (the CPU rule's workers for them,
+dlrm_cpus.cpu_rule: one single-threaded worker per CPU; memory for those workers and the chosen
+embedding dtype; startupProbe allowing the config's startupTimeout). ``layout`` writes the same
+worker count into the runtime's model_snapshot: give both the same --cpus (default 2).
 """
 
 from __future__ import annotations
@@ -32,15 +34,24 @@ MOUNT = "/mnt/models"  # where KServe's storage initializer puts storageUri's fi
 INFERENCE_PORT = 8085  # KServe's TorchServe sample config; the runtime's container port
 FRONTEND_BYTES = 1 << 30  # TorchServe's Java frontend (heap + threads), beside the workers
 GIB = 1 << 30
+POD_CPUS = 2  # the pod's CPU request and limit, unless --cpus says otherwise
 
 
-def properties(config_path: Path, mount: str, model: str = "dlrm") -> str:
-    """config.properties as KServe's TorchServe runtime reads it."""
+def pod_workers(top: dict, cpus: int) -> int:
+    """The config's maxWorkers when it pins one, else the CPU rule's count for the pod's CPUs."""
+    from dlrm_cpus import cpu_rule
+
+    return int(top.get("maxWorkers") or cpu_rule(cpus).workers)
+
+
+def properties(config_path: Path, mount: str, model: str = "dlrm", cpus: int = POD_CPUS) -> str:
+    """config.properties as KServe's TorchServe runtime reads it, for a pod of ``cpus`` CPUs."""
     import yaml
 
     top = yaml.safe_load(config_path.read_text()) or {}
+    workers = pod_workers(top, cpus)
     version = {"defaultVersion": True, "marName": f"{model}.mar",
-               "minWorkers": top.get("minWorkers", 1), "maxWorkers": top.get("maxWorkers", 1),
+               "minWorkers": int(top.get("minWorkers") or workers), "maxWorkers": workers,
                "batchSize": top.get("batchSize", 1), "maxBatchDelay": top.get("maxBatchDelay", 100),
                "responseTimeout": top.get("responseTimeout", 120)}
     if "startupTimeout" in top:
@@ -82,15 +93,16 @@ def layout(args) -> Path:
 
         build_mar.main(["--config", str(args.config), "--output-dir", str(mar.parent),
                         "--model-name", args.model_name, "--force"])
-    (out / "config" / "config.properties").write_text(properties(Path(args.config), args.mount, args.model_name))
+    (out / "config" / "config.properties").write_text(properties(Path(args.config), args.mount, args.model_name,
+                                                                 args.cpus))
     shutil.copyfile(ROOT / "metrics.yaml", out / "config" / "metrics.yaml")
     print(f"[layout] {out}: config/config.properties, config/metrics.yaml, model-store/{mar.name}")
     return out
 
 
-def sizing_patch(config_path: Path, kind: str = "InferenceService") -> str:
+def sizing_patch(config_path: Path, kind: str = "InferenceService", cpus: int = POD_CPUS) -> str:
     """The kustomize strategic-merge patch of the InferenceService's predictor, or of the plain
-    Deployment's container."""
+    Deployment's container, for a pod of ``cpus`` CPUs."""
     import yaml
 
     import sizing
@@ -98,14 +110,14 @@ def sizing_patch(config_path: Path, kind: str = "InferenceService") -> str:
 
     config = DLRMConfig.from_yaml(config_path)
     top = yaml.safe_load(config_path.read_text()) or {}
-    workers = int(top.get("maxWorkers", 1))
+    workers = pod_workers(top, cpus)
     overhead = sizing.parse_bytes("450MiB")
     # The budget only feeds the report's worker counts, unused here: replicas scale out instead.
     rep = sizing.report(config, 64 * GIB, overhead, 20.0, 200.0)["dtypes"][config.embedding_dtype]
     # CPU workers share one mmapped copy of the tables; each worker adds its process.
     need = rep["table_bytes"] + workers * (rep["model_bytes"] - rep["table_bytes"] + overhead) + FRONTEND_BYTES
     memory_gib = max(2, math.ceil(need * 1.25 / GIB))  # 25% headroom for batches in flight
-    cpu = workers + 1  # torch threads per worker = its share of the cores less one for the frontend
+    cpu = cpus  # the frontend shares them: one worker per CPU served the most (docs/performance.md)
     startup_s = max(rep["startup_timeout_s"], int(top.get("startupTimeout", 0)))
     resources = {"requests": {"cpu": str(cpu), "memory": f"{memory_gib}Gi"},
                  "limits": {"cpu": str(cpu), "memory": f"{memory_gib}Gi"}}
@@ -124,7 +136,8 @@ def sizing_patch(config_path: Path, kind: str = "InferenceService") -> str:
     else:
         patch = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "dlrm"},
                  "spec": {"template": {"spec": {"containers": [{"name": "torchserve", **container}]}}}}
-    head = (f"# Generated by scripts/kserve_deploy.py sizing --kind {kind} --config {config_path.name}: "
+    head = (f"# Generated by scripts/kserve_deploy.py sizing --kind {kind} --config {config_path.name}"
+            f"{'' if cpus == POD_CPUS else f' --cpus {cpus}'}: "
             f"{config.embedding_dtype} tables {sizing.human(rep['table_bytes'])}, {workers} worker(s),\n"
             f"# startupTimeout {startup_s} s. Regenerate it when the config changes (a test compares).\n")
     return head + yaml.safe_dump(patch, sort_keys=False)
@@ -143,10 +156,13 @@ def main(argv: list[str] | None = None):
     siz.add_argument("--config", default=str(ROOT / "model-config.yaml"), help="model config (default: %(default)s)")
     siz.add_argument("--kind", choices=["InferenceService", "Deployment"], default="InferenceService",
                      help="patch the KServe predictor or the plain Deployment (default: %(default)s)")
+    for p in (lay, siz):
+        p.add_argument("--cpus", type=int, default=POD_CPUS,
+                       help="the pod's CPUs (request = limit); workers follow them (default: %(default)s)")
     args = ap.parse_args(argv)
     if args.command == "layout":
         return layout(args)
-    sys.stdout.write(sizing_patch(Path(args.config), args.kind))
+    sys.stdout.write(sizing_patch(Path(args.config), args.kind, args.cpus))
 
 
 if __name__ == "__main__":

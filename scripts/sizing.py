@@ -17,6 +17,11 @@ Workers per budget, two rules:
             and each extra worker costs only its process (worker = --worker-overhead; see
             bench/bench_scale.py for a measurement)
 
+Workers for --cpus CPUs (default: the CPUs this process may use: affinity capped by the cgroup
+CPU quota, dlrm_cpus.available_cpus): the CPU rule's count (one single-threaded worker per CPU,
+dlrm_cpus.cpu_rule), capped by what fits the budget (the shared rule on CPU), and the memory
+they need: tables once + workers x (dense + worker).
+
 startupTimeout: worker start (--base-seconds) plus reading every table byte at --disk-mbps,
 times 1.5. That is the GPU / cold-cache bound; a CPU worker maps the file and reads rows
 lazily, so it starts in about --base-seconds.
@@ -58,7 +63,7 @@ def human(n: float) -> str:
     return str(n)
 
 
-def report(config, budget: int, worker: int, base_s: float, disk_mbps: float) -> dict:
+def report(config, budget: int, worker: int, base_s: float, disk_mbps: float, cpus: int | None = None) -> dict:
     from dlrm_config import EMBEDDING_DTYPES
     from dlrm_scale import table_bytes
 
@@ -80,6 +85,14 @@ def report(config, budget: int, worker: int, base_s: float, disk_mbps: float) ->
             "workers_shared": max(0, (budget - tables) // per_worker) if budget > tables else 0,
             "startup_timeout_s": max(60, int(math.ceil(startup / 10) * 10)),
         }
+    if cpus:
+        from dlrm_cpus import cpu_rule
+
+        rule = cpu_rule(cpus)
+        d = out["dtypes"][c.embedding_dtype]
+        out["cpus"] = {"cpus": cpus, "rule_workers": rule.workers, "torch_threads": rule.threads,
+                       "workers": min(rule.workers, d["workers_shared"]),
+                       "memory_bytes": d["table_bytes"] + rule.workers * (dense + worker)}
     return out
 
 
@@ -132,6 +145,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="worker start without the tables: imports, TorchServe handshake (default: %(default)s)")
     ap.add_argument("--disk-mbps", type=float, default=200.0,
                     help="read rate for the startupTimeout bound, MB/s (default: %(default)s)")
+    ap.add_argument("--cpus", type=int, default=None,
+                    help="CPUs to size the workers for (default: the CPUs this process may use: affinity and "
+                         "cgroup quota)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
 
@@ -146,7 +162,11 @@ def main(argv: list[str] | None = None) -> dict:
         import psutil
 
         args.memory = psutil.virtual_memory().total
-    rep = report(config, args.memory, args.worker_overhead, args.base_seconds, args.disk_mbps)
+    if args.cpus is None:
+        from dlrm_cpus import available_cpus
+
+        args.cpus = available_cpus()
+    rep = report(config, args.memory, args.worker_overhead, args.base_seconds, args.disk_mbps, args.cpus)
     full = full_rows(args.config, config)
     if full:
         rep["full"] = report(dataclasses.replace(config, num_embeddings=full), args.memory, args.worker_overhead,
@@ -163,6 +183,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\ndense part {human(rep['dense_bytes'])}; budget {human(args.memory)}, "
           f"{human(args.worker_overhead)} per worker process")
     _print_budget(rep, dtypes)
+    c = rep["cpus"]
+    print(f"\n{c['cpus']} CPU(s): the CPU rule's {c['rule_workers']} worker(s) x {c['torch_threads']} torch thread(s) "
+          f"need {human(c['memory_bytes'])} with {config.embedding_dtype} tables"
+          + ("" if c["workers"] == c["rule_workers"] else f"; the budget holds only {c['workers']}: set maxWorkers"))
     if full:
         capped = sum(f != r for f, r in zip(full, config.num_embeddings))
         print(f"\nuncapped: the config's '# full:' rows ({capped} of {config.num_features} tables are capped "

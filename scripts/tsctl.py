@@ -24,6 +24,18 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = ROOT / ".venv" / "bin"
 
 
+def default_workers() -> int:
+    """Workers per model when neither the properties nor the model's config set them: the CPU
+    rule for the CPUs this process (and so the TorchServe it starts) may use (dlrm_cpus.py)."""
+    import sys
+
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from dlrm_cpus import available_cpus, cpu_rule
+
+    return cpu_rule(available_cpus()).workers
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -115,6 +127,7 @@ class Server:
         if "metrics_config" in props:
             props["metrics_config"] = str((self.properties.parent / props["metrics_config"]).resolve())
         props.update({k: str(v) for k, v in self.overrides.items()})
+        props.setdefault("default_workers_per_model", str(default_workers()))
         path = self.home / "config.properties"
         path.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
         return path

@@ -183,15 +183,3 @@ def test_large_batches_are_scored_in_groups_with_the_same_scores(handler, monkey
     split, _ = call(handler, reqs)
     for a, b in zip(whole, split):
         assert torch.allclose(torch.tensor(json.loads(a)["scores"]), torch.tensor(json.loads(b)["scores"]), atol=1e-5)
-
-
-def test_torch_threads_leave_a_core_for_the_frontend(monkeypatch):
-    from dlrm_handler import torch_threads
-
-    monkeypatch.setattr("os.cpu_count", lambda: 2)
-    assert torch_threads(0, 1) == 1
-    assert torch_threads(3, 1) == 3  # configured wins
-    monkeypatch.setattr("os.cpu_count", lambda: 16)
-    assert torch_threads(0, 1) == 15
-    assert torch_threads(0, 4) == 3
-    assert torch_threads(0, 32) == 1

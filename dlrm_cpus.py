@@ -1,0 +1,105 @@
+"""How many CPUs this process may really use, and how the kit splits them into workers and threads.
+
+``os.cpu_count()`` is the machine's count: in a container it is the node's (64 on a 64-core
+node), not the pod's CPU limit. The CPUs a process may use are its scheduler affinity
+(``taskset``, cpusets) capped by its cgroup's CPU quota (a Kubernetes CPU limit becomes
+``cpu.max`` on cgroup v2, ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` on v1), rounded up: a
+quota of 1.5 CPUs runs 2 threads, each throttled.
+
+The rule (measured in results/cpu-rule.md, docs/performance.md): one single-threaded worker per
+CPU. Imports nothing heavy: TorchServe's launcher (scripts/tsctl.py), the sizing scripts and the
+handler all read it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+
+class Placement(NamedTuple):
+    workers: int  # TorchServe workers of the model
+    threads: int  # torch intra-op threads per worker
+
+
+def available_cpus(root: str | Path = "/sys/fs/cgroup", proc_cgroup: str | Path = "/proc/self/cgroup",
+                   affinity: set[int] | None = None) -> int:
+    """CPUs this process may use: its affinity, capped by the CPU quota of its cgroup and of every
+    cgroup above it. ``root``, ``proc_cgroup`` and ``affinity`` are for tests (a fake cgroup tree).
+
+    >>> # cpu.max "150000 100000" (1.5 CPUs), affinity {0..63}: 2
+    """
+    if affinity is None:
+        affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    cpus = max(1, len(affinity))
+    quota = cgroup_quota(Path(root), Path(proc_cgroup))
+    return min(cpus, max(1, math.ceil(quota))) if quota is not None else cpus
+
+
+def cgroup_quota(root: Path, proc_cgroup: Path) -> float | None:
+    """The smallest CPU quota (in CPUs) on the path from this process's cgroup up to ``root``,
+    or None when there is none. In a container ``root`` is the container's own cgroup (its
+    namespace shows it as "/"), so ``root/cpu.max`` is the pod's limit."""
+    quotas = []
+    for d, base, v2 in _cgroup_dirs(root, proc_cgroup):
+        while True:
+            q = _read_quota(d, v2)
+            if q is not None:
+                quotas.append(q)
+            if d == base or base not in d.parents:
+                break
+            d = d.parent
+    return min(quotas) if quotas else None
+
+
+def _cgroup_dirs(root: Path, proc_cgroup: Path) -> list[tuple[Path, Path, bool]]:
+    """(directory, its hierarchy's top, is_v2) of this process's cgroups that can hold a CPU quota: the v2 one
+    ("0::/path") and the v1 ``cpu`` controller's ("N:cpu,cpuacct:/path")."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        lines = []
+    out = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        rel = path.lstrip("/")
+        if controllers == "":
+            out.append((root / rel, root, True))
+        elif "cpu" in controllers.split(","):
+            base = next((root / n for n in (controllers, "cpu", "cpu,cpuacct") if (root / n).is_dir()), root / "cpu")
+            out.append((base / rel, base, False))
+    if not out:  # no /proc/self/cgroup: the top's own files
+        out = [(root, root, True), (root / "cpu", root / "cpu", False)]
+    return out
+
+
+def _read_quota(d: Path, v2: bool) -> float | None:
+    try:
+        if v2:
+            quota, period = (d / "cpu.max").read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        quota = int((d / "cpu.cfs_quota_us").read_text())
+        return None if quota <= 0 else quota / int((d / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def cpu_rule(cpus: int) -> Placement:
+    """Workers and threads for ``cpus`` CPUs: one worker per CPU, one torch thread each.
+
+    Measured on 1 and 2 CPUs (results/cpu-rule.md): on 2, 2 x 1 served 1.8-1.9x the ranking
+    rows of 1 x 1 with a third of its p99, and more than 1 x 2; on 1, a second worker gained
+    nothing. Workers share the memory-mapped tables, so a worker costs its process (~0.3 GB),
+    not the tables; scripts/sizing.py checks the memory budget."""
+    return Placement(max(1, cpus), 1)
+
+
+def torch_threads(configured: int, workers: int | None, cpus: int | None = None) -> int:
+    """Intra-op threads for one worker: as configured (``handler.torch_threads``), else the
+    worker's share of the CPUs (``workers`` None: the rule's count for these CPUs)."""
+    if configured:
+        return configured
+    cpus = cpus or available_cpus()
+    return max(1, cpus // (workers or cpu_rule(cpus).workers))
