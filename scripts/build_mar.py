@@ -16,6 +16,7 @@ key or table whose name or shape does not fit is an error that names it.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> Path:
     from dlrm_config import DLRMConfig
     from dlrm_errors import ConfigError
     from dlrm_factory import DLRMFactory
+    from dlrm_kserve import METADATA_FILE, model_metadata
 
     if args.write_config:
         if not args.checkpoint:
@@ -86,6 +88,9 @@ def main(argv: list[str] | None = None) -> Path:
             state = factory.archive_state(model)
             del model
             torch.save(state, weights)
+            # The v2 metadata the OIP endpoint plugin serves, from the config just validated.
+            metadata = Path(tmp) / METADATA_FILE
+            metadata.write_text(json.dumps(model_metadata(config), indent=1))
             print(f"[build] weights {weights.stat().st_size / 1e6:.1f} MB in {time.perf_counter() - started:.1f} s",
                   flush=True)
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -95,7 +100,7 @@ def main(argv: list[str] | None = None) -> Path:
                 "--version", args.version,
                 "--handler", str(ROOT / "dlrm_handler.py"),
                 "--serialized-file", str(weights),
-                "--extra-files", ",".join(str(ROOT / f) for f in EXTRA_FILES),
+                "--extra-files", ",".join([*(str(ROOT / f) for f in EXTRA_FILES), str(metadata)]),
                 "--config-file", str(Path(args.config).resolve()),
                 "--export-path", str(out_dir),
                 # Random floats do not compress; storing them makes building and loading faster.

@@ -112,8 +112,9 @@ class Server:
         """A copy of ``properties``: absolute paths (the server's cwd is ``home``), overrides."""
         props = read_properties(self.properties)
         props["model_store"] = str(self.model_store.resolve())
-        if "metrics_config" in props:
-            props["metrics_config"] = str((self.properties.parent / props["metrics_config"]).resolve())
+        for key in ("metrics_config", "plugins_path"):  # relative to the properties file
+            if props.get(key):
+                props[key] = str((self.properties.parent / props[key]).resolve())
         props.update({k: str(v) for k, v in self.overrides.items()})
         path = self.home / "config.properties"
         path.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
