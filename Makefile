@@ -20,7 +20,7 @@ VERIFY ?=
 VERIFY_ARG = $(if $(VERIFY),--verify $(VERIFY))
 CKPT_FILES := $(if $(CHECKPOINT),$(or $(wildcard $(CHECKPOINT)/.metadata $(CHECKPOINT)/*),$(CHECKPOINT)))
 
-.PHONY: help venv mar serve ready rollout rollback stop test unit integration bench knobs soak faults clean FORCE
+.PHONY: help venv plugin mar serve ready rollout rollback stop test unit integration bench knobs soak faults clean FORCE
 
 # Creates .venv and installs the pinned stack; a no-op once done (see scripts/install.sh).
 venv:  ## create .venv with the pinned stack (a no-op once done)
@@ -41,11 +41,24 @@ model_store/.config: FORCE
 
 FORCE:
 
+# The Open Inference Protocol endpoints (health, metadata, readiness, model config) run inside
+# TorchServe's frontend JVM as an endpoint plugin: Java compiled here against the frontend jar in
+# the torchserve wheel (no Maven); config.properties' plugins_path points at build/plugins.
+PLUGIN     := build/plugins/dlrm-oip.jar
+PLUGIN_SRC := $(wildcard plugin/src/dlrmkit/oip/*.java) plugin/META-INF/services/org.pytorch.serve.servingsdk.ModelServerEndpoint
+$(PLUGIN): $(PLUGIN_SRC) | venv
+	@rm -rf build/oip && mkdir -p build/oip/classes $(@D)
+	javac --release 17 -Xlint:all,-processing -Werror -d build/oip/classes \
+	  -cp "$$(ls .venv/lib/python3*/site-packages/ts/frontend/model-server.jar)" $(filter %.java,$^)
+	jar cf $@ -C build/oip/classes . -C plugin META-INF
+
+plugin: $(PLUGIN)  ## build the Open Inference Protocol endpoint plugin (build/plugins/dlrm-oip.jar)
+
 mar: venv  ## build model_store/dlrm.mar from CONFIG (and CHECKPOINT, proven with VERIFY)
 	$(PY) scripts/build_mar.py --config $(CONFIG) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(VERIFY_ARG) --force
 
 # Start TorchServe in the background (logs/), wait for the model, score a sample request.
-serve: venv $(MAR)  ## start TorchServe in the background, wait for the model, score a sample
+serve: venv $(MAR) $(PLUGIN)  ## start TorchServe in the background, wait for the model, score a sample
 	$(PY) scripts/serve.py start --properties $(PROPS) $(PROBE_ARG)
 
 # Readiness probe of the server `make serve` started: exit 0 once the model scores a request.
@@ -62,13 +75,13 @@ rollback: venv  ## roll back to the previous model version
 stop: venv  ## stop the server `make serve` started
 	$(PY) scripts/serve.py stop --properties $(PROPS)
 
-test: venv  ## all tests: unit and real-TorchServe integration
+test: venv $(PLUGIN)  ## all tests: unit and real-TorchServe integration
 	$(PY) -m pytest -q
 
 unit: venv  ## unit tests only (-m "not integration")
 	$(PY) -m pytest -q -m "not integration"
 
-integration: venv  ## integration tests only (real TorchServe)
+integration: venv $(PLUGIN)  ## integration tests only (real TorchServe)
 	$(PY) -m pytest -q -m integration
 
 # Benchmark (results/benchmark.{json,md,png}); see docs/performance.md. ~10 minutes.

@@ -435,3 +435,21 @@ class _Refused(KServeV1):
 
     def parse(self) -> ParsedRequest:
         raise self.err
+
+
+# --- what the v2 metadata says ------------------------------------------------------------
+
+METADATA_FILE = "oip-metadata.json"  # in the archive; the OIP endpoint plugin serves it
+
+
+def model_metadata(config) -> dict:
+    """The v2 model metadata's inputs and outputs, and the rows one request may carry
+    (Triton's max_batch_size), for the plugin's GET /v2/models/{m}[/config]. Per sparse feature
+    it lists ``f`` (INT64 [-1], one id per row), the form a client can build from the metadata
+    alone; ``f.lengths`` + ``f.values`` (multi-hot) are accepted in its place (_columns)."""
+    return {
+        "inputs": [{"name": "dense", "datatype": "FP32", "shape": [-1, config.num_dense_features]}]
+                  + [{"name": f, "datatype": "INT64", "shape": [-1]} for f in config.sparse_features],
+        "outputs": [{"name": OUTPUT, "datatype": "FP32", "shape": [-1, 1]}],
+        "max_batch_size": config.max_instances_per_request,
+    }

@@ -26,6 +26,7 @@ built archive against the trainer's own scores and leaves no archive when they d
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> Path:
     from dlrm_config import DLRMConfig
     from dlrm_errors import BadRequest, ConfigError
     from dlrm_factory import DLRMFactory
+    from dlrm_kserve import METADATA_FILE, model_metadata
 
     order = [f.strip() for f in args.feature_order.split(",")] if args.feature_order else None
     if order is not None and not args.checkpoint:
@@ -127,6 +129,9 @@ def main(argv: list[str] | None = None) -> Path:
             state = factory.archive_state(model)
             del model
             torch.save(state, weights)
+            # The v2 metadata the OIP endpoint plugin serves, from the config just validated.
+            metadata = Path(tmp) / METADATA_FILE
+            metadata.write_text(json.dumps(model_metadata(config), indent=1))
             print(f"[build] weights {weights.stat().st_size / 1e6:.1f} MB in {time.perf_counter() - started:.1f} s",
                   flush=True)
             # Built beside the weights and moved into place only once proven: a failed --verify
@@ -138,7 +143,7 @@ def main(argv: list[str] | None = None) -> Path:
                 "--version", args.version,
                 "--handler", str(ROOT / "dlrm_handler.py"),
                 "--serialized-file", str(weights),
-                "--extra-files", ",".join(str(ROOT / f) for f in EXTRA_FILES),
+                "--extra-files", ",".join([*(str(ROOT / f) for f in EXTRA_FILES), str(metadata)]),
                 "--config-file", str(Path(args.config).resolve()),
                 "--export-path", str(built),
                 # Random floats do not compress; storing them makes building and loading faster.

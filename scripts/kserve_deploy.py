@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -35,6 +36,7 @@ INFERENCE_PORT = 8085  # KServe's TorchServe sample config; the runtime's contai
 FRONTEND_BYTES = 1 << 30  # TorchServe's Java frontend (heap + threads), beside the workers
 GIB = 1 << 30
 POD_CPUS = 2  # the pod's CPU request and limit, unless --cpus says otherwise
+PLUGIN = "build/plugins/dlrm-oip.jar"  # `make plugin`
 
 
 def pod_workers(top: dict, cpus: int) -> int:
@@ -76,6 +78,7 @@ def properties(config_path: Path, mount: str, model: str = "dlrm", cpus: int = P
         "metrics_mode=prometheus",
         f"metrics_config={mount}/config/metrics.yaml",
         f"model_store={mount}/model-store",
+        f"plugins_path={mount}/plugins",  # the OIP endpoints (GET /v2/...; docs/kubernetes.md)
         "model_snapshot=" + json.dumps(snapshot, separators=(",", ":")),
     ]
     return "\n".join(lines) + "\n"
@@ -95,8 +98,12 @@ def layout(args) -> Path:
                         "--model-name", args.model_name, "--force"])
     (out / "config" / "config.properties").write_text(properties(Path(args.config), args.mount, args.model_name,
                                                                  args.cpus))
+    # The OIP endpoint plugin travels with the layout, so KServe's stock runtime image serves it.
+    subprocess.run(["make", "-C", str(ROOT), "--no-print-directory", "plugin"], check=True, stdout=sys.stderr)
+    (out / "plugins").mkdir(exist_ok=True)
+    shutil.copyfile(ROOT / PLUGIN, out / "plugins" / Path(PLUGIN).name)
     shutil.copyfile(ROOT / "metrics.yaml", out / "config" / "metrics.yaml")
-    print(f"[layout] {out}: config/config.properties, config/metrics.yaml, model-store/{mar.name}")
+    print(f"[layout] {out}: config/config.properties, config/metrics.yaml, plugins/, model-store/{mar.name}")
     return out
 
 
@@ -128,7 +135,11 @@ def sizing_patch(config_path: Path, kind: str = "InferenceService", cpus: int = 
         "resources": resources,
         # The model may take startupTimeout to load; liveness waits for this probe.
         "startupProbe": {**ping(), "failureThreshold": math.ceil(startup_s / 10)},
+        # Liveness stays the frontend's cheap /ping; traffic follows the model's real workers:
+        # the OIP plugin's model-ready answers 503 while no worker of the model is READY.
         "livenessProbe": {**ping(), "failureThreshold": 3},
+        "readinessProbe": {"httpGet": {"path": "/v2/models/dlrm/ready", "port": INFERENCE_PORT},
+                           "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 1},
     }
     if kind == "InferenceService":
         patch = {"apiVersion": "serving.kserve.io/v1beta1", "kind": kind, "metadata": {"name": "dlrm"},

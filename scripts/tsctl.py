@@ -124,8 +124,9 @@ class Server:
         """A copy of ``properties``: absolute paths (the server's cwd is ``home``), overrides."""
         props = read_properties(self.properties)
         props["model_store"] = str(self.model_store.resolve())
-        if "metrics_config" in props:
-            props["metrics_config"] = str((self.properties.parent / props["metrics_config"]).resolve())
+        for key in ("metrics_config", "plugins_path"):  # relative to the properties file
+            if props.get(key):
+                props[key] = str((self.properties.parent / props[key]).resolve())
         props.update({k: str(v) for k, v in self.overrides.items()})
         props.setdefault("default_workers_per_model", str(default_workers()))
         path = self.home / "config.properties"
