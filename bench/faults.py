@@ -64,6 +64,9 @@ class Bench:
         self.args, self.tmp = args, tmp
         doc = yaml.safe_load((ROOT / "model-config.yaml").read_text())
         doc["responseTimeout"] = args.response_timeout
+        # One worker, whatever the host's CPU rule gives: a killed or hung worker is then the
+        # model's only one, the hardest case, and "the serving worker" is one process.
+        doc["minWorkers"] = doc["maxWorkers"] = 1
         self.config_path = tmp / "model-config.yaml"
         self.config_path.write_text(yaml.safe_dump(doc))
         self.store = tmp / "store"
