@@ -171,10 +171,12 @@ def probe(srv: Server, model: str, pool: list[tuple[int, bytes]], rate: float, s
     latency), at most 2x ``seconds``; with the frontend's and the workers' CPU per query."""
     seconds = min(2 * seconds, max(seconds, 100 / rate))
     procs = {"frontend": [frontend_pid(srv)], "workers": srv.worker_pids(model)}
-    cpu0 = {k: cpu_seconds(v) for k, v in procs.items()}
+    cpu0 = _cpu(procs)
     res, answered = asyncio.run(run_open_loop(f"{srv.url}/predictions/{model}", [b for _, b in pool], rate, seconds,
                                               seed=seed))
-    cpu = {k: cpu_seconds(v) - cpu0[k] for k, v in procs.items()}
+    cpu1 = _cpu(procs)
+    # a worker replaced meanwhile (its pid gone): no CPU figure for this probe
+    cpu = {k: cpu1[k] - cpu0[k] for k in procs} if cpu0 and cpu1 else {k: 0.0 for k in procs}
     pairs = sum(pool[i][0] for i in answered)
     ok = res.statuses.get(200, 0)
     bad = res.sent - ok
@@ -184,6 +186,15 @@ def probe(srv: Server, model: str, pool: list[tuple[int, bytes]], rate: float, s
             "p50_ms": round(res.percentile(50), 1), "p99_ms": round(p99, 1),
             **{f"{k}_cpu_us_per_query": round(v / max(1, ok) * 1e6) for k, v in cpu.items()},
             "ok": bad == 0 and p99 <= P99_BOUND_MS}
+
+
+def _cpu(procs: dict) -> dict | None:
+    import psutil
+
+    try:
+        return {k: cpu_seconds(v) for k, v in procs.items()}
+    except (psutil.NoSuchProcess, FileNotFoundError):
+        return None
 
 
 def search(srv: Server, model: str, pool: list[tuple[int, bytes]], start_rate: float, seconds: float,
