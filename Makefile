@@ -84,8 +84,8 @@ unit: venv  ## unit tests only (-m "not integration")
 integration: venv $(PLUGIN)  ## integration tests only (real TorchServe)
 	$(PY) -m pytest -q -m integration
 
-# Benchmark (results/benchmark.{json,md,png}); see docs/performance.md. ~10 minutes.
-bench: venv  ## the performance benchmark (results/benchmark.*), ~10 minutes
+# Benchmark (results/benchmark.{json,md,png}); see docs/performance.md. ~15 minutes.
+bench: venv  ## the performance benchmark (results/benchmark.*), ~15 minutes
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) bench/benchmark.py
 
