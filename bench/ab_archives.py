@@ -52,6 +52,13 @@ def cells(med: dict, base: str, new: str) -> tuple[str, str]:
             " | ".join(f"{med[n]['p50_ms']:.2f} / {med[n]['p99_ms']:.1f}" for n in (base, new)))
 
 
+def finish(out: str, report: dict, lines: list[str], started: float) -> int:
+    """Writes OUT.json and OUT.md with the run's wall time."""
+    report["wall_s"] = round(time.perf_counter() - started)
+    write_report(Path(out), report, lines)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--a", required=True, help="archive A (.mar), e.g. built from the previous commit")
@@ -111,9 +118,7 @@ def main() -> int:
         rates, latencies = cells(med, "a", "b")
         lines.append(f"| {'single row' if kind == 1 else f'{rows_of(kind)} rows ({kind})'} | {c} | "
                      f"{rates} | {ratio:.3f} | {latencies} | {errors} |")
-    report["wall_s"] = round(time.perf_counter() - started)
-    write_report(Path(args.out), report, lines)
-    return 0
+    return finish(args.out, report, lines, started)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "scripts")]
-from benchmark import RANKING_ROWS, log, make_kind, request_loop, v2_bodies, v2_header_length, write_report  # noqa: E402
-from ab_archives import cells, summarize  # noqa: E402
+from benchmark import RANKING_ROWS, log, make_kind, request_loop, v2_bodies, v2_header_length  # noqa: E402
+from ab_archives import cells, finish, summarize  # noqa: E402
 from loadgen import run_load  # noqa: E402
 from tsctl import ROOT, Server  # noqa: E402
 
@@ -116,9 +116,7 @@ def main() -> int:
         rates, latencies = cells(med, "before", "after")
         lines.append(f"| {what} | {c} | {rates} | {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) "
                      f"| {latencies} | {errors} |")
-    report["wall_s"] = round(time.perf_counter() - started)
-    write_report(Path(args.out), report, lines)
-    return 0
+    return finish(args.out, report, lines, started)
 
 
 if __name__ == "__main__":
