@@ -54,7 +54,7 @@ $(PLUGIN): $(PLUGIN_SRC) | venv
 
 plugin: $(PLUGIN)  ## build the Open Inference Protocol endpoint plugin (build/plugins/dlrm-oip.jar)
 
-mar: venv  ## build model_store/dlrm.mar from CONFIG (and CHECKPOINT, proven with VERIFY)
+mar: venv $(PLUGIN)  ## build model_store/dlrm.mar from CONFIG (and CHECKPOINT, proven with VERIFY)
 	$(PY) scripts/build_mar.py --config $(CONFIG) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(VERIFY_ARG) --force
 
 # Start TorchServe in the background (logs/), wait for the model, score a sample request.

@@ -38,6 +38,27 @@ def point_of(text: str) -> tuple:
     return (int(kind) if kind.isdigit() else kind, int(c))
 
 
+def summarize(ab: dict, base: str, new: str) -> tuple[dict, list[float], int]:
+    """Per side the medians over rounds of req/s, p50 and p99; per round new's req/s over
+    base's; and the errors of both."""
+    med = {n: {k: statistics.median(x[k] for x in ab[n]) for k in ("requests_per_s", "p50_ms", "p99_ms")} for n in ab}
+    ratios = [b["requests_per_s"] / a["requests_per_s"] for a, b in zip(ab[base], ab[new])]
+    return med, ratios, sum(x["errors"] for n in ab for x in ab[n])
+
+
+def cells(med: dict, base: str, new: str) -> tuple[str, str]:
+    """The table's "req/s | req/s" and "p50 / p99 | p50 / p99" cells of both sides."""
+    return (f"{med[base]['requests_per_s']:,.1f} | {med[new]['requests_per_s']:,.1f}",
+            " | ".join(f"{med[n]['p50_ms']:.2f} / {med[n]['p99_ms']:.1f}" for n in (base, new)))
+
+
+def finish(out: str, report: dict, lines: list[str], started: float) -> int:
+    """Writes OUT.json and OUT.md with the run's wall time."""
+    report["wall_s"] = round(time.perf_counter() - started)
+    write_report(Path(out), report, lines)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--a", required=True, help="archive A (.mar), e.g. built from the previous commit")
@@ -90,19 +111,14 @@ def main() -> int:
              "| requests | concurrency | A req/s | B req/s | B / A | A p50 / p99 ms | B p50 / p99 ms | errors |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for (kind, c), ab in runs.items():
-        med = {n: {k: statistics.median(x[k] for x in ab[n]) for k in ("requests_per_s", "p50_ms", "p99_ms")}
-               for n in ab}
-        ratio = statistics.median(b["requests_per_s"] / a["requests_per_s"] for a, b in zip(ab["a"], ab["b"]))
-        errors = sum(x["errors"] for n in ab for x in ab[n])
+        med, ratios, errors = summarize(ab, "a", "b")
+        ratio = statistics.median(ratios)
         report["points"].append({"kind": kind, "concurrency": c, "a": med["a"], "b": med["b"],
                                  "b_over_a": round(ratio, 3), "errors": errors})
+        rates, latencies = cells(med, "a", "b")
         lines.append(f"| {'single row' if kind == 1 else f'{rows_of(kind)} rows ({kind})'} | {c} | "
-                     f"{med['a']['requests_per_s']:,.1f} | {med['b']['requests_per_s']:,.1f} | {ratio:.3f} | "
-                     f"{med['a']['p50_ms']:.2f} / {med['a']['p99_ms']:.1f} | {med['b']['p50_ms']:.2f} / "
-                     f"{med['b']['p99_ms']:.1f} | {errors} |")
-    report["wall_s"] = round(time.perf_counter() - started)
-    write_report(Path(args.out), report, lines)
-    return 0
+                     f"{rates} | {ratio:.3f} | {latencies} | {errors} |")
+    return finish(args.out, report, lines, started)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ def start(args) -> int:
     if srv.token():
         print(f"[serve] token authorization is on: send 'Authorization: Bearer <inference key>' "
               f"from {srv.home / 'key_file.json'}")
+    print(f"[serve] Open Inference Protocol: {srv.url}/v2/models/{args.model} (metadata), .../ready, .../infer")
     print(f"[serve] ready. Try: curl -X POST {url} -H \"Content-Type: application/json\" "
           f"-d @{shown}\n[serve] stop with: make stop")
     return 0

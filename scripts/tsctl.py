@@ -143,6 +143,10 @@ class Server:
             raise RuntimeError(f"cannot write TorchServe's logs in {self.log_dir}: {e.strerror}; "
                                "free or remount it, or start with another log folder") from None
         props = self.write_properties()
+        plugins = read_properties(props).get("plugins_path")
+        if plugins and not any(Path(plugins).glob("*.jar")):  # TorchServe would start without /v2's GETs
+            raise RuntimeError(f"plugins_path={plugins} holds no plugin jar: run `make plugin` "
+                               "(the Open Inference Protocol endpoints)")
         (self.home / "log_dir").write_text(str(self.log_dir))  # for attach (rollout.py)
         with out:
             subprocess.run(

@@ -235,3 +235,21 @@ def test_grpc_and_in_process_requests_keep_the_predictions_formats(handler):
                           {"body": json.dumps({"instances": ROWS}).encode()}], ctx)
     assert set(json.loads(out[0])) == {"scores"}
     assert json.loads(out[1]) == {"predictions": json.loads(out[0])["scores"]}
+
+
+def test_model_metadata_describes_a_request_the_parser_takes(config):
+    """The inputs the OIP plugin serves (from the archive's oip-metadata.json) build a v2
+    request the handler's parser reads: every listed input, with its datatype and shape."""
+    from dlrm_core import RequestParser
+    from dlrm_kserve import OIPv2, model_metadata
+
+    meta = model_metadata(config)
+    assert [i["name"] for i in meta["inputs"]] == ["dense", *config.sparse_features]
+    assert meta["outputs"] == [{"name": "scores", "datatype": "FP32", "shape": [-1, 1]}]
+    assert meta["max_batch_size"] == config.max_instances_per_request
+    rows = 2
+    inputs = [{"name": i["name"], "datatype": i["datatype"], "shape": [rows if d == -1 else d for d in i["shape"]],
+               "data": [0.5] * rows * i["shape"][-1] if i["datatype"] == "FP32" else [1] * rows}
+              for i in meta["inputs"]]
+    parsed = OIPv2(json.dumps({"inputs": inputs}).encode(), RequestParser(config), None, ("dlrm", "1.0")).parse()
+    assert parsed.n == rows

@@ -321,3 +321,13 @@ def test_tritonclient_single_hot_request_is_read_whole_and_scores_as_its_rows(se
     want = json.loads(raw)["scores"]
     assert status == 200 and len(set(want)) == 2
     assert np.allclose(got, want, atol=1e-6, rtol=0), (got, want)
+
+
+def test_the_layout_carries_the_oip_endpoints(server):
+    """kserve_deploy.py layout copies the plugin into plugins/ and points plugins_path there."""
+    from tsctl import get
+
+    status, body, _ = get(server.url + "/v2/models/dlrm/ready")
+    assert (status, json.loads(body)) == (200, {"name": "dlrm", "ready": True})
+    status, body, _ = get(server.url + "/v2/models/dlrm")
+    assert status == 200 and [i["name"] for i in json.loads(body)["inputs"]][:2] == ["dense", "feature_0"]

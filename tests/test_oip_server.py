@@ -212,3 +212,17 @@ def test_grpc_clients_find_no_oip_service_on_torchserve(server):
         # TorchServe's own name answers: its ServerReady says true whatever the workers do.
         ready = channel.unary_unary("/org.pytorch.serve.grpc.openinference.GRPCInferenceService/ServerReady")
         assert ready(b"", timeout=30) == b"\x08\x01"  # ServerReadyResponse{ready: true}
+
+
+def test_model_is_not_ready_while_its_crashed_worker_restarts(server):
+    import os
+    import signal
+
+    client = triton(server)
+    pid = server.wait_workers_ready("dlrm", 1)[0]
+    os.kill(pid, signal.SIGKILL)
+    # TorchServe restarts the worker after a backoff and a model load (seconds): not ready meanwhile.
+    wait_for(lambda: not client.is_model_ready("dlrm"), timeout=60)
+    assert not client.is_server_ready()
+    wait_for(lambda: client.is_model_ready("dlrm"), timeout=180)
+    assert server.worker_pids("dlrm") != [pid] and client.is_server_ready()
