@@ -55,6 +55,7 @@ RANKING_ROWS = 128
 RANKING = "ranking"  # the 128-row ranking form, beside the 128-row instances form
 COLUMNS = "columns"  # the same 128 rows as RANKING: the context plus the candidates as columns
 COLUMNS_ALL = "columns-all"  # the same 128 rows as instances (every feature), as columns
+CRITEO_TSV = "criteo-tsv"  # 128 raw Criteo lines (handler.raw_input: criteo_tsv): parse + transform + collate
 V2_BINARY = "v2-binary"  # 128 rows as Open Inference Protocol v2 binary tensors (in-process only)
 QUANTIZED = ("fp16", "int8")  # served at the headline points beside fp32
 SHIPPED_BEFORE = "dlrm_1x1"  # the same model pinned to the previous default, 1 worker x 1 thread
@@ -126,6 +127,10 @@ def make_kind(kind, cfg, rng) -> bytes:
         return make_columns_body(cfg, rng, RANKING_ROWS, context=kind == COLUMNS)
     if kind == V2_BINARY:
         return v2_bodies(cfg, rng, RANKING_ROWS)[1]
+    if kind == CRITEO_TSV:  # as TorchServe hands a text/* body over: str
+        return "\n".join("\t".join([str(rng.randrange(2))] + [str(rng.randrange(-3, 1000)) for _ in range(13)]
+                                   + [format(rng.getrandbits(32), "08x") for _ in range(26)])
+                         for _ in range(RANKING_ROWS)) + "\n"
     return make_body(cfg, rng, kind)
 
 
@@ -266,12 +271,14 @@ class _Context:
 def bench_handler(handler, cfg, seconds: float) -> list[dict]:
     """Whole handle() per batch, plus the same core stages timed one by one."""
     from dlrm_core import collate, response_body, scores
+    from dlrm_criteo import CONTENT_TYPE as TSV
     from dlrm_kserve import BINARY_HEADER, open_request
 
     out = []
     rng = random.Random(2)
     # 10 x 128 rows: as TorchServe batches ranking requests at c=16 (~10 per batch, section 3)
-    for n_req, kind in ((1, 1), (1, RANKING_ROWS), (1, RANKING), (1, COLUMNS), (1, COLUMNS_ALL), (1, V2_BINARY),
+    raw = ((1, CRITEO_TSV),) if cfg.raw_input == "criteo_tsv" else ()
+    for n_req, kind in ((1, 1), (1, RANKING_ROWS), (1, RANKING), (1, COLUMNS), (1, COLUMNS_ALL), *raw, (1, V2_BINARY),
                         (32, 1), (32, RANKING_ROWS), (10, RANKING), (10, COLUMNS)):
         rows = rows_of(kind)
         bodies = [make_kind(kind, cfg, rng) for _ in range(n_req)]
@@ -283,6 +290,11 @@ def bench_handler(handler, cfg, seconds: float) -> list[dict]:
 
             def parse(b, length=length):
                 return open_request(b, True, length, handler.parser, ("dlrm", "1.0")).parse()
+        elif kind == CRITEO_TSV:  # Content-Type: text/tab-separated-values on /predictions
+            ctx = _Context(".", None, {"Content-Type": TSV})
+
+            def parse(b):
+                return open_request(b, False, None, handler.parser, ("dlrm", "1.0"), TSV).parse()
         else:
             parse = handler.parser.parse
         # Overhead from the same calls: handle()'s wall time less the forward phase that the
