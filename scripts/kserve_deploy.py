@@ -34,7 +34,7 @@ FRONTEND_BYTES = 1 << 30  # TorchServe's Java frontend (heap + threads), beside 
 GIB = 1 << 30
 
 
-def properties(config_path: Path, mount: str, model: str = "dlrm") -> str:
+def properties(config_path: Path, mount: str, model: str = "dlrm", port: int = INFERENCE_PORT) -> str:
     """config.properties as KServe's TorchServe runtime reads it."""
     import yaml
 
@@ -51,8 +51,8 @@ def properties(config_path: Path, mount: str, model: str = "dlrm") -> str:
         f"#   torchserve --start --model-store={mount}/model-store --ts-config={mount}/config/config.properties",
         "# TS_<PROPERTY> variables override these (enable_envvars_config); the InferenceService",
         "# empties TS_SERVICE_ENVELOPE: the handler speaks KServe v1 / v2 itself, batch by batch.",
-        f"inference_address=http://0.0.0.0:{INFERENCE_PORT}",
-        f"management_address=http://0.0.0.0:{INFERENCE_PORT}",
+        f"inference_address=http://0.0.0.0:{port}",
+        f"management_address=http://0.0.0.0:{port}",
         "metrics_address=http://0.0.0.0:8082",
         "grpc_inference_port=7070",
         "grpc_management_port=7071",
@@ -82,7 +82,7 @@ def layout(args) -> Path:
 
         build_mar.main(["--config", str(args.config), "--output-dir", str(mar.parent),
                         "--model-name", args.model_name, "--force"])
-    (out / "config" / "config.properties").write_text(properties(Path(args.config), args.mount, args.model_name))
+    (out / "config" / "config.properties").write_text(properties(Path(args.config), args.mount, args.model_name, args.port))
     shutil.copyfile(ROOT / "metrics.yaml", out / "config" / "metrics.yaml")
     print(f"[layout] {out}: config/config.properties, config/metrics.yaml, model-store/{mar.name}")
     return out
@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None):
     lay.add_argument("--mar", help="an archive already built from --config (default: build one)")
     lay.add_argument("--model-name", default="dlrm", help="model and archive name (default: %(default)s)")
     lay.add_argument("--mount", default=MOUNT, help="where the pod sees the layout (default: %(default)s)")
+    lay.add_argument("--port", type=int, default=INFERENCE_PORT,
+                     help="inference (and management) port; the runtime's containerPort (default: %(default)s)")
     siz = sub.add_parser("sizing", help="print the InferenceService resources/probes patch for a config")
     siz.add_argument("--config", default=str(ROOT / "model-config.yaml"), help="model config (default: %(default)s)")
     siz.add_argument("--kind", choices=["InferenceService", "Deployment"], default="InferenceService",
