@@ -14,7 +14,7 @@ SOURCES := dlrm_handler.py dlrm_factory.py dlrm_core.py dlrm_config.py dlrm_erro
 CHECKPOINT ?=
 CKPT_FILES := $(if $(CHECKPOINT),$(or $(wildcard $(CHECKPOINT)/.metadata $(CHECKPOINT)/*),$(CHECKPOINT)))
 
-.PHONY: help venv mar serve ready rollout rollback stop test unit integration bench knobs soak faults clean FORCE
+.PHONY: help venv image mar serve ready rollout rollback stop test unit integration bench knobs soak faults clean FORCE
 
 # Creates .venv and installs the pinned stack; a no-op once done (see scripts/install.sh).
 venv:  ## create .venv with the pinned stack (a no-op once done)
@@ -55,6 +55,25 @@ rollback: venv  ## roll back to the previous model version
 
 stop: venv  ## stop the server `make serve` started
 	$(PY) scripts/serve.py stop --properties $(PROPS)
+
+# The image deploy/kserve names (docs/kubernetes.md). VARIANT=cuda for the gpu overlay's tag.
+# WHEELHOUSE=0: pip fetches inside the build (PIP_EXTRA_INDEX_URL=..., PIP_CA=extra-CA.pem);
+# default: wheels of scripts/install.sh's pins made on this host (pip's own index/CA settings).
+VARIANT ?= cpu
+IMAGE   ?= ghcr.io/example/dlrm-torchserve:0.1.0-$(if $(filter cuda,$(VARIANT)),gpu,cpu)
+BASE    ?= debian:bookworm-slim
+WHEELHOUSE ?= 1
+PIP_CA  ?=
+image:  ## build the container image deploy/kserve runs (VARIANT=cpu|cuda)
+	@docker image inspect $(BASE) >/dev/null 2>&1 || docker pull $(BASE) || { \
+	  echo "[image] $(BASE) cannot be pulled: making it locally (mmdebstrap --variant=minbase bookworm | docker import)"; \
+	  mmdebstrap --variant=minbase bookworm - | docker import - $(BASE); }
+	@[ "$$(cat build/docker/.variant 2>/dev/null)" = "$(VARIANT)" ] || rm -rf build/docker
+	@mkdir -p build/docker/plugins build/docker/wheelhouse && echo $(VARIANT) > build/docker/.variant
+	@if [ "$(WHEELHOUSE)" = 1 ]; then VARIANT=$(VARIANT) bash scripts/install.sh --wheelhouse build/docker/wheelhouse; fi
+	@if [ -n "$(PIP_CA)" ]; then cp "$(PIP_CA)" build/docker/ca.pem; else : > build/docker/ca.pem; fi
+	docker build -t $(IMAGE) --build-arg BASE=$(BASE) --build-arg VARIANT=$(VARIANT) \
+	  --build-arg PIP_EXTRA_INDEX_URL=$(PIP_EXTRA_INDEX_URL) .
 
 test: venv  ## all tests: unit and real-TorchServe integration
 	$(PY) -m pytest -q

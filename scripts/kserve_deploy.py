@@ -54,6 +54,8 @@ def properties(config_path: Path, mount: str, model: str = "dlrm", port: int = I
         f"inference_address=http://0.0.0.0:{port}",
         f"management_address=http://0.0.0.0:{port}",
         "metrics_address=http://0.0.0.0:8082",
+        # In a pod, the pod's interface (TorchServe's gRPC binds 127.0.0.1 unless told).
+        "grpc_inference_address=0.0.0.0",
         "grpc_inference_port=7070",
         "grpc_management_port=7071",
         "enable_envvars_config=true",
