@@ -57,8 +57,9 @@ stop: venv  ## stop the server `make serve` started
 	$(PY) scripts/serve.py stop --properties $(PROPS)
 
 # The image deploy/kserve names (docs/kubernetes.md). VARIANT=cuda for the gpu overlay's tag.
-# WHEELHOUSE=0: pip fetches inside the build (PIP_EXTRA_INDEX_URL=..., PIP_CA=extra-CA.pem);
-# default: wheels of scripts/install.sh's pins made on this host (pip's own index/CA settings).
+# WHEELHOUSE=1 (default): wheels of scripts/install.sh's pins made on this host (its pip's index,
+# proxy and CA settings); WHEELHOUSE=DIR: wheels prepared elsewhere (install.sh --wheelhouse DIR);
+# WHEELHOUSE=0: pip fetches inside the build (PIP_EXTRA_INDEX_URL=..., PIP_CA=extra-CA.pem).
 VARIANT ?= cpu
 IMAGE   ?= ghcr.io/example/dlrm-torchserve:0.1.0-$(if $(filter cuda,$(VARIANT)),gpu,cpu)
 BASE    ?= debian:bookworm-slim
@@ -70,7 +71,11 @@ image:  ## build the container image deploy/kserve runs (VARIANT=cpu|cuda)
 	  mmdebstrap --variant=minbase bookworm - | docker import - $(BASE); }
 	@[ "$$(cat build/docker/.variant 2>/dev/null)" = "$(VARIANT)" ] || rm -rf build/docker
 	@mkdir -p build/docker/plugins build/docker/wheelhouse && echo $(VARIANT) > build/docker/.variant
-	@if [ "$(WHEELHOUSE)" = 1 ]; then VARIANT=$(VARIANT) bash scripts/install.sh --wheelhouse build/docker/wheelhouse; fi
+	@case "$(WHEELHOUSE)" in \
+	  1) VARIANT=$(VARIANT) bash scripts/install.sh --wheelhouse build/docker/wheelhouse ;; \
+	  0) rm -rf build/docker/wheelhouse/* ;; \
+	  *) rm -rf build/docker/wheelhouse && cp -r "$(WHEELHOUSE)" build/docker/wheelhouse ;; \
+	esac
 	@if [ -n "$(PIP_CA)" ]; then cp "$(PIP_CA)" build/docker/ca.pem; else : > build/docker/ca.pem; fi
 	docker build -t $(IMAGE) --build-arg BASE=$(BASE) --build-arg VARIANT=$(VARIANT) \
 	  --build-arg PIP_EXTRA_INDEX_URL=$(PIP_EXTRA_INDEX_URL) .
