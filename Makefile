@@ -83,8 +83,8 @@ image:  ## build the container image deploy/kserve runs (VARIANT=cpu|cuda)
 test: venv  ## all tests: unit and real-TorchServe integration
 	$(PY) -m pytest -q
 
-unit: venv  ## unit tests only (-m "not integration")
-	$(PY) -m pytest -q -m "not integration"
+unit: venv  ## unit tests only (no TorchServe, no container)
+	$(PY) -m pytest -q -m "not integration and not container"
 
 integration: venv  ## integration tests only (real TorchServe)
 	$(PY) -m pytest -q -m integration
