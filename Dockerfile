@@ -31,8 +31,10 @@ RUN set -eu; cd /src; \
 COPY *.py model-config.yaml metrics.yaml /src/
 COPY scripts/ /src/scripts/
 # The default model: seeded weights, served on 8080 by `docker run -p 8080:8080 IMAGE`.
-RUN cd /src && /opt/venv/bin/python scripts/kserve_deploy.py layout --out /opt/dlrm/model \
-      --mount /opt/dlrm/model --port 8080 --config model-config.yaml
+# The cuda variant has none: building it imports fbgemm-gpu, which needs the GPU node's driver.
+RUN cd /src && if [ "${VARIANT}" = cuda ]; then mkdir -p /opt/dlrm/model; else \
+      /opt/venv/bin/python scripts/kserve_deploy.py layout --out /opt/dlrm/model \
+      --mount /opt/dlrm/model --port 8080 --config model-config.yaml; fi
 
 FROM ${BASE}
 RUN apt-get update && apt-get install -y --no-install-recommends python3 openjdk-17-jre-headless tini \

@@ -66,8 +66,13 @@ else
   # The kit itself (pulls torchserve, archiver, pyyaml, msgspec, test deps; torch is already satisfied).
   "${PIP[@]}" -e ".[test]"
 fi
+if [ "$VARIANT" = cuda ] && ! { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }; then
+  # fbgemm-gpu's CUDA build loads the driver's libnvidia-ml at import: only a GPU node has it.
+  "$VENV/bin/python" -c 'import torch, ts, model_archiver; print(f"[install] ok: torch {torch.__version__}; fbgemm_gpu/torchrec not imported: no NVIDIA driver here")'
+else
 "$VENV/bin/python" - <<'PY'
 import torch, torchrec, fbgemm_gpu, ts, model_archiver  # noqa: F401  fail here, not at serve time
 print(f"[install] ok: torch {torch.__version__}, torchrec {torchrec.__version__ if hasattr(torchrec, '__version__') else '1.8.0'}")
 PY
+fi
 echo "$WANT" > "$STAMP"
