@@ -20,7 +20,7 @@ VERIFY ?=
 VERIFY_ARG = $(if $(VERIFY),--verify $(VERIFY))
 CKPT_FILES := $(if $(CHECKPOINT),$(or $(wildcard $(CHECKPOINT)/.metadata $(CHECKPOINT)/*),$(CHECKPOINT)))
 
-.PHONY: help venv plugin mar serve ready rollout rollback stop test unit integration bench knobs soak faults clean FORCE
+.PHONY: help venv plugin image mar serve ready rollout rollback stop test unit integration bench knobs soak faults clean FORCE
 
 # Creates .venv and installs the pinned stack; a no-op once done (see scripts/install.sh).
 venv:  ## create .venv with the pinned stack (a no-op once done)
@@ -75,11 +75,36 @@ rollback: venv  ## roll back to the previous model version
 stop: venv  ## stop the server `make serve` started
 	$(PY) scripts/serve.py stop --properties $(PROPS)
 
+# The image deploy/kserve names (docs/kubernetes.md). VARIANT=cuda for the gpu overlay's tag.
+# WHEELHOUSE=1 (default): wheels of scripts/install.sh's pins made on this host (its pip's index,
+# proxy and CA settings); WHEELHOUSE=DIR: wheels prepared elsewhere (install.sh --wheelhouse DIR);
+# WHEELHOUSE=0: pip fetches inside the build (PIP_EXTRA_INDEX_URL=..., PIP_CA=extra-CA.pem).
+VARIANT ?= cpu
+IMAGE   ?= ghcr.io/example/dlrm-torchserve:0.1.0-$(if $(filter cuda,$(VARIANT)),gpu,cpu)
+BASE    ?= debian:bookworm-slim
+WHEELHOUSE ?= 1
+PIP_CA  ?=
+image: $(PLUGIN)  ## build the container image deploy/kserve runs (VARIANT=cpu|cuda)
+	@docker image inspect $(BASE) >/dev/null 2>&1 || docker pull $(BASE) || { \
+	  echo "[image] $(BASE) cannot be pulled: making it locally (mmdebstrap --variant=minbase bookworm | docker import)"; \
+	  mmdebstrap --variant=minbase bookworm - | docker import - $(BASE); }
+	@[ "$$(cat build/docker/.variant 2>/dev/null)" = "$(VARIANT)" ] || rm -rf build/docker
+	@mkdir -p build/docker/plugins build/docker/wheelhouse && echo $(VARIANT) > build/docker/.variant
+	@case "$(WHEELHOUSE)" in \
+	  1) VARIANT=$(VARIANT) bash scripts/install.sh --wheelhouse build/docker/wheelhouse ;; \
+	  0) rm -rf build/docker/wheelhouse/* ;; \
+	  *) rm -rf build/docker/wheelhouse && cp -r "$(WHEELHOUSE)" build/docker/wheelhouse ;; \
+	esac
+	@cp $(PLUGIN) build/docker/plugins/
+	@if [ -n "$(PIP_CA)" ]; then cp "$(PIP_CA)" build/docker/ca.pem; else : > build/docker/ca.pem; fi
+	docker build -t $(IMAGE) --build-arg BASE=$(BASE) --build-arg VARIANT=$(VARIANT) \
+	  --build-arg PIP_EXTRA_INDEX_URL=$(PIP_EXTRA_INDEX_URL) .
+
 test: venv $(PLUGIN)  ## all tests: unit and real-TorchServe integration
 	$(PY) -m pytest -q
 
-unit: venv  ## unit tests only (-m "not integration")
-	$(PY) -m pytest -q -m "not integration"
+unit: venv  ## unit tests only (no TorchServe, no container)
+	$(PY) -m pytest -q -m "not integration and not container"
 
 integration: venv $(PLUGIN)  ## integration tests only (real TorchServe)
 	$(PY) -m pytest -q -m integration

@@ -46,7 +46,8 @@ def pod_workers(top: dict, cpus: int) -> int:
     return int(top.get("maxWorkers") or cpu_rule(cpus).workers)
 
 
-def properties(config_path: Path, mount: str, model: str = "dlrm", cpus: int = POD_CPUS) -> str:
+def properties(config_path: Path, mount: str, model: str = "dlrm", cpus: int = POD_CPUS,
+               port: int = INFERENCE_PORT) -> str:
     """config.properties as KServe's TorchServe runtime reads it, for a pod of ``cpus`` CPUs."""
     import yaml
 
@@ -64,9 +65,11 @@ def properties(config_path: Path, mount: str, model: str = "dlrm", cpus: int = P
         f"#   torchserve --start --model-store={mount}/model-store --ts-config={mount}/config/config.properties",
         "# TS_<PROPERTY> variables override these (enable_envvars_config); the InferenceService",
         "# empties TS_SERVICE_ENVELOPE: the handler speaks KServe v1 / v2 itself, batch by batch.",
-        f"inference_address=http://0.0.0.0:{INFERENCE_PORT}",
-        f"management_address=http://0.0.0.0:{INFERENCE_PORT}",
+        f"inference_address=http://0.0.0.0:{port}",
+        f"management_address=http://0.0.0.0:{port}",
         "metrics_address=http://0.0.0.0:8082",
+        # In a pod, the pod's interface (TorchServe's gRPC binds 127.0.0.1 unless told).
+        "grpc_inference_address=0.0.0.0",
         "grpc_inference_port=7070",
         "grpc_management_port=7071",
         "enable_envvars_config=true",
@@ -97,9 +100,14 @@ def layout(args) -> Path:
         build_mar.main(["--config", str(args.config), "--output-dir", str(mar.parent),
                         "--model-name", args.model_name, "--force"])
     (out / "config" / "config.properties").write_text(properties(Path(args.config), args.mount, args.model_name,
-                                                                 args.cpus))
+                                                                 args.cpus, args.port))
     # The OIP endpoint plugin travels with the layout, so KServe's stock runtime image serves it.
-    subprocess.run(["make", "-C", str(ROOT), "--no-print-directory", "plugin"], check=True, stdout=sys.stderr)
+    # A checkout builds it (`make plugin`); the image's build stage has no make or JDK and is
+    # handed the jar `make image` built (Dockerfile).
+    if (ROOT / "Makefile").is_file():
+        subprocess.run(["make", "-C", str(ROOT), "--no-print-directory", "plugin"], check=True, stdout=sys.stderr)
+    if not (ROOT / PLUGIN).is_file():
+        sys.exit(f"error: {ROOT / PLUGIN} is missing: build it with `make plugin`")
     (out / "plugins").mkdir(exist_ok=True)
     shutil.copyfile(ROOT / PLUGIN, out / "plugins" / Path(PLUGIN).name)
     shutil.copyfile(ROOT / "metrics.yaml", out / "config" / "metrics.yaml")
@@ -163,6 +171,8 @@ def main(argv: list[str] | None = None):
     lay.add_argument("--mar", help="an archive already built from --config (default: build one)")
     lay.add_argument("--model-name", default="dlrm", help="model and archive name (default: %(default)s)")
     lay.add_argument("--mount", default=MOUNT, help="where the pod sees the layout (default: %(default)s)")
+    lay.add_argument("--port", type=int, default=INFERENCE_PORT,
+                     help="inference (and management) port; the runtime's containerPort (default: %(default)s)")
     siz = sub.add_parser("sizing", help="print the InferenceService resources/probes patch for a config")
     siz.add_argument("--config", default=str(ROOT / "model-config.yaml"), help="model config (default: %(default)s)")
     siz.add_argument("--kind", choices=["InferenceService", "Deployment"], default="InferenceService",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -111,3 +112,28 @@ def settled(srv, timeout: float = 30.0, model: str = "dlrm") -> dict[str, float]
         return not changed
 
     return wait_until(lambda: scrape(srv, model), same, timeout, every=0.5)
+
+
+def grpc_modules(out: Path):
+    """inference_pb2 and inference_pb2_grpc, generated now into `out` from the inference.proto
+    TorchServe ships in its frontend jar."""
+    import zipfile
+
+    from grpc_tools import protoc
+
+    from tsctl import BIN
+
+    jar = next((BIN.parent / "lib").glob("python3*/site-packages/ts/frontend/model-server.jar"))
+    with zipfile.ZipFile(jar) as z:
+        for name in ("inference.proto", "google/rpc/status.proto"):
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            (out / name).write_bytes(z.read(name))
+    well_known = Path(protoc.__file__).parent / "_proto"
+    rc = protoc.main(["protoc", f"-I{out}", f"-I{well_known}", f"--python_out={out}", f"--grpc_python_out={out}",
+                      str(out / "inference.proto"), str(out / "google/rpc/status.proto")])
+    assert rc == 0
+    sys.path.insert(0, str(out))
+    import inference_pb2
+    import inference_pb2_grpc
+
+    return inference_pb2, inference_pb2_grpc

@@ -9,9 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import sys
 import threading
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +17,7 @@ import pytest
 import yaml
 
 from conftest import tiny_config
-from helpers import instance, metrics_delta, settled
+from helpers import grpc_modules, instance, metrics_delta, settled
 from tsctl import BIN, Server, post
 
 pytestmark = pytest.mark.integration
@@ -92,22 +90,8 @@ def server(tmp_path_factory):
 def grpc_stub(tmp_path_factory, server):
     """Stubs generated now from the inference.proto TorchServe ships in its frontend jar."""
     import grpc
-    from grpc_tools import protoc
 
-    out = tmp_path_factory.mktemp("grpc")
-    jar = next((BIN.parent / "lib").glob("python3*/site-packages/ts/frontend/model-server.jar"))
-    with zipfile.ZipFile(jar) as z:
-        for name in ("inference.proto", "google/rpc/status.proto"):
-            (out / name).parent.mkdir(parents=True, exist_ok=True)
-            (out / name).write_bytes(z.read(name))
-    well_known = Path(protoc.__file__).parent / "_proto"
-    rc = protoc.main(["protoc", f"-I{out}", f"-I{well_known}", f"--python_out={out}", f"--grpc_python_out={out}",
-                      str(out / "inference.proto"), str(out / "google/rpc/status.proto")])
-    assert rc == 0
-    sys.path.insert(0, str(out))
-    import inference_pb2
-    import inference_pb2_grpc
-
+    inference_pb2, inference_pb2_grpc = grpc_modules(tmp_path_factory.mktemp("grpc"))
     channel = grpc.insecure_channel(f"127.0.0.1:{server.overrides['grpc_inference_port']}")
     yield inference_pb2_grpc.InferenceAPIsServiceStub(channel), inference_pb2
     channel.close()

@@ -1,0 +1,59 @@
+# The kit's TorchServe image: deploy/kserve's ServingRuntime runs it. Build it with `make image`
+# (docs/kubernetes.md). Plain Dockerfile, no BuildKit features: Debian's docker.io 20.10 builds it.
+#
+# Build arguments:
+#   BASE     a Debian bookworm image (default debian:bookworm-slim)
+#   VARIANT  cpu (fbgemm-gpu-cpu, torch's CPU build) or cuda (fbgemm-gpu, PyPI's CUDA torch)
+#   PIP_EXTRA_INDEX_URL  where pip finds the CPU torch without a wheelhouse, e.g.
+#            https://download.pytorch.org/whl/cpu
+# Build context folder build/docker/ (filled by `make image`):
+#   wheelhouse/  wheels of scripts/install.sh's pins (install.sh --wheelhouse); empty = pip
+#                fetches from its index inside the build
+#   ca.pem       an extra CA bundle for pip (an intercepting proxy's), used in the build stage only
+#   plugins/     the kit's built TorchServe plugin jar (build/plugins/dlrm-oip.jar, `make plugin`):
+#                the default model's layout and the final image's /opt/dlrm/plugins carry it
+ARG BASE=debian:bookworm-slim
+
+FROM ${BASE} AS build
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+ARG VARIANT=cpu
+ARG PIP_EXTRA_INDEX_URL=
+# Dependencies first, the kit's code last: a code change rebuilds only the layers after this one.
+COPY build/docker/ /ctx/
+COPY scripts/install.sh /src/scripts/install.sh
+COPY pyproject.toml /src/pyproject.toml
+RUN set -eu; cd /src; \
+    if [ -s /ctx/ca.pem ]; then export PIP_CERT=/ctx/ca.pem; fi; \
+    if [ -n "$(ls /ctx/wheelhouse 2>/dev/null)" ]; then export PIP_NO_INDEX=1 PIP_FIND_LINKS=/ctx/wheelhouse; fi; \
+    VENV=/opt/venv KIT=runtime VARIANT=${VARIANT} PYTHON=python3 bash scripts/install.sh; \
+    rm /opt/venv/.installed; find /opt/venv -name __pycache__ -prune -exec rm -rf {} +; \
+    /opt/venv/bin/python -m compileall -q -j 0 /opt/venv/lib > /dev/null || true
+COPY *.py model-config.yaml metrics.yaml /src/
+COPY scripts/ /src/scripts/
+# The OIP endpoint plugin (`make plugin`, copied here by `make image`): the layout carries it.
+COPY build/docker/plugins/ /src/build/plugins/
+# The default model: seeded weights, served on 8080 by `docker run -p 8080:8080 IMAGE`.
+# The cuda variant has none: building it imports fbgemm-gpu, which needs the GPU node's driver.
+RUN cd /src && if [ "${VARIANT}" = cuda ]; then mkdir -p /opt/dlrm/model; else \
+      /opt/venv/bin/python scripts/kserve_deploy.py layout --out /opt/dlrm/model \
+      --mount /opt/dlrm/model --port 8080 --config model-config.yaml; fi
+
+FROM ${BASE}
+RUN apt-get update && apt-get install -y --no-install-recommends python3 openjdk-17-jre-headless tini \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --uid 1000 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin model-server
+COPY --from=build /opt/venv /opt/venv
+COPY build/docker/plugins/ /opt/dlrm/plugins/
+COPY scripts/container_entrypoint.py /opt/dlrm/entrypoint.py
+COPY --from=build /opt/dlrm/model /opt/dlrm/model
+# Only /tmp is writable under Kubernetes' readOnlyRootFilesystem (an emptyDir): TorchServe's
+# logs/ and snapshots, its pid file and the workers' sockets and model folders all go there.
+ENV PATH=/opt/venv/bin:$PATH HOME=/tmp TMPDIR=/tmp LOG_LOCATION=/tmp/logs METRICS_LOCATION=/tmp/logs \
+    PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+WORKDIR /tmp
+USER 1000:1000
+EXPOSE 8080 8085 7070 8082
+ENTRYPOINT ["/usr/bin/tini", "--", "/opt/venv/bin/python", "/opt/dlrm/entrypoint.py"]
+CMD ["torchserve", "--start", "--foreground", "--model-store=/opt/dlrm/model/model-store", \
+     "--ts-config=/opt/dlrm/model/config/config.properties"]

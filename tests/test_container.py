@@ -1,0 +1,236 @@
+"""Container: the image `make image` builds, run as deploy/kserve's pods run it (the
+ServingRuntime's args, the layout of scripts/kserve_deploy.py mounted read-only at /mnt/models,
+uid 1000, read-only root, /tmp a tmpfs, all capabilities dropped, base/sizing.yaml's CPU and
+memory), answering the seed curl, tritonclient's binary v2 and TorchServe's gRPC with the
+in-process model's scores; stopped with SIGTERM under load without losing a request.
+
+Needs a Docker engine: without one these tests skip (start one: `dockerd &`, or run `.ci/run`,
+which installs and starts it); on CI (CI=true) they fail instead."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import ROOT, TINY, tiny_config
+from helpers import grpc_modules, instance
+from test_kserve_server import DENSE_ROWS, ROWS, triton
+
+sys.path.insert(0, str(ROOT / "bench"))
+import container_stop  # noqa: E402
+
+pytestmark = pytest.mark.container
+
+DEPLOY = ROOT / "deploy" / "kserve"
+IMAGE = yaml.safe_load((DEPLOY / "base" / "servingruntime.yaml").read_text())["spec"]["containers"][0]["image"]
+SEED = {"dense": DENSE_ROWS[0].tolist(), "sparse": {"keys": ["feature_0", "feature_1"], "values": [3, 4, 7],
+                                                     "lengths": [2, 1]}}
+
+
+def docker(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["docker", *args], check=check, capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="session")
+def image():
+    """`make image`, once per session."""
+    if shutil.which("docker") is None or docker("info", check=False).returncode != 0:
+        why = "no Docker engine: start dockerd (as root: apt-get install docker.io mmdebstrap; dockerd &) or run .ci/run"
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)
+    subprocess.run(["make", "-C", str(ROOT), "image"], check=True, timeout=1800)
+    return IMAGE
+
+
+class Container:
+    """One `docker run`, removed at the end whatever happens."""
+
+    def __init__(self, image: str, args: list[str] = (), mount: Path | None = None, ports=(8085, 7070, 8082)):
+        self.name = f"dlrm-test-{uuid.uuid4().hex[:8]}"
+        run = container_stop.run_args(image, self.name, 0)[:-3]  # as the pods run it, ports below
+        for p in ports:
+            run += ["-p", f"127.0.0.1::{p}"]
+        sizing = yaml.safe_load((DEPLOY / "base" / "sizing.yaml").read_text())
+        limits = sizing["spec"]["predictor"]["model"]["resources"]["limits"]
+        run += ["--cpus", str(limits["cpu"]), "--memory", limits["memory"].replace("Gi", "g")]
+        if mount:
+            run += ["-v", f"{mount}:/mnt/models:ro"]
+        docker(*run, image, *args)
+
+    def port(self, p: int) -> int:
+        return int(docker("port", self.name, str(p)).stdout.split(":")[-1].split()[0])
+
+    def url(self, p: int = 8085) -> str:
+        return f"http://127.0.0.1:{self.port(p)}"
+
+    def logs(self) -> str:
+        out = docker("logs", self.name, check=False)
+        return out.stdout + out.stderr
+
+    def remove(self):
+        docker("rm", "-f", self.name, check=False)
+
+
+def post(url: str, body: bytes, path: str = "/predictions/dlrm") -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url + path, body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def ready(c: Container, port: int = 8085, body: bytes | None = None, timeout: float = 180):
+    """Wait (bounded) until the model scores a request; the container's log on failure."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if post(c.url(port), body or json.dumps(SEED).encode())[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise AssertionError(f"{c.name} never answered:\n{c.logs()[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def layout():
+    """scripts/kserve_deploy.py layout of the tiny config, readable by uid 1000."""
+    import kserve_deploy
+
+    out = Path(tempfile.mkdtemp(prefix="dlrm-layout-"))
+    try:
+        config = out / "model-config.yaml"
+        config.write_text(yaml.safe_dump({"minWorkers": 1, "maxWorkers": 1, "batchSize": 8, "maxBatchDelay": 5,
+                                          "responseTimeout": 60, "handler": TINY}))
+        kserve_deploy.main(["layout", "--out", str(out / "models"), "--config", str(config)])
+        for p in [out, *out.rglob("*")]:
+            p.chmod(0o755 if p.is_dir() else 0o644)
+        yield out / "models"
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def runtime_args():
+    return yaml.safe_load((DEPLOY / "base" / "servingruntime.yaml").read_text())["spec"]["containers"][0]["args"]
+
+
+@pytest.fixture(scope="module")
+def served(image, layout, runtime_args):
+    c = Container(image, runtime_args, layout)
+    try:
+        ready(c)
+        yield c
+    finally:
+        c.remove()
+
+
+def reference(rows: list[dict]) -> np.ndarray:
+    from dlrm_core import RequestParser, collate, scores
+    from dlrm_factory import DLRMFactory
+
+    config = tiny_config()
+    batch, bad = collate([RequestParser(config).parse(json.dumps({"instances": rows}))], config)
+    assert not bad
+    return np.asarray(scores(DLRMFactory(config).random(), batch, config)[0])
+
+
+class _Url:
+    def __init__(self, url):
+        self.url = url
+
+
+def test_seed_triton_and_grpc_give_the_in_process_scores(served, tmp_path):
+    import grpc
+
+    want = reference(ROWS)
+    status, body = post(served.url(), json.dumps(SEED).encode())
+    assert status == 200 and np.allclose(body["scores"], reference([instance(DENSE_ROWS[0].tolist(), feature_0=[3, 4],
+                                                                             feature_1=[7])]), atol=1e-5, rtol=0)
+    result = triton(_Url(served.url()), binary=True)
+    assert np.allclose(result.as_numpy("scores")[:, 0], want, atol=1e-5, rtol=0)
+    pb, pb_grpc = grpc_modules(tmp_path)
+    with grpc.insecure_channel(f"127.0.0.1:{served.port(7070)}") as channel:
+        answer = pb_grpc.InferenceAPIsServiceStub(channel).Predictions(
+            pb.PredictionsRequest(model_name="dlrm", input={"data": json.dumps({"instances": ROWS}).encode()}), timeout=60)
+    assert np.allclose(json.loads(answer.prediction)["scores"], want, atol=1e-5, rtol=0)
+
+
+def test_probe_paths_metrics_and_logs(served):
+    import urllib.request
+
+    sizing = yaml.safe_load((DEPLOY / "base" / "sizing.yaml").read_text())["spec"]["predictor"]["model"]
+    answers = {}
+    for probe in (sizing["livenessProbe"], sizing["startupProbe"], sizing["readinessProbe"]):
+        path = probe["httpGet"]["path"]
+        with urllib.request.urlopen(served.url(probe["httpGet"]["port"]) + path, timeout=10) as r:
+            assert r.status == 200
+            answers[path] = json.loads(r.read())
+    # Liveness and startup on TorchServe's /ping; readiness on the OIP plugin's model-ready path.
+    assert answers == {"/ping": {"status": "Healthy"}, "/v2/models/dlrm/ready": {"name": "dlrm", "ready": True}}, answers
+    with urllib.request.urlopen(served.url(8085) + "/v2/models/dlrm", timeout=10) as r:
+        meta = json.loads(r.read())
+    assert meta["name"] == "dlrm" and {"dense", "scores"} <= {t["name"] for t in meta["inputs"] + meta["outputs"]}
+    with urllib.request.urlopen(served.url(8082) + "/metrics", timeout=10) as r:
+        assert b"ts_inference_requests_total" in r.read()
+    logs = served.logs()
+    assert "DLRM loaded on cpu" in logs, logs[-4000:]  # the handler's own log line, on stdout
+
+
+def test_two_replicas_on_one_layout_both_answer(image, layout, runtime_args, served):
+    other = Container(image, runtime_args, layout)
+    try:
+        ready(other)
+        a, b = (post(c.url(), json.dumps({"instances": ROWS}).encode()) for c in (served, other))
+        assert a[0] == b[0] == 200 and np.allclose(a[1]["scores"], b[1]["scores"], atol=1e-6, rtol=0)
+    finally:
+        other.remove()
+
+
+def test_sigterm_under_load_answers_every_accepted_request_and_exits_0(image, layout, runtime_args):
+    c = Container(image, runtime_args, layout)
+    try:
+        ready(c)
+        host = container_stop.address(c.name)
+        result = container_stop.load_and_stop(c.name, host, 8085, concurrency=16, load_s=3,
+                                              body=json.dumps(SEED).encode())
+        assert result["exit_code"] == 0, (result, c.logs()[-4000:])
+        assert result["before_sigterm"]["lost"] == 0 and result["before_sigterm"]["answered"] > 0, result
+        assert result["in_flight"]["answered"] == result["concurrency"], result
+        assert result["sigterm_to_exit_s"] < 30, result
+    finally:
+        c.remove()
+
+
+def test_default_docker_run_serves_the_readme_seed_request(image):
+    from dlrm_config import DLRMConfig
+    from dlrm_core import RequestParser, collate, scores
+    from dlrm_factory import DLRMFactory
+
+    body = (ROOT / "sample_requests" / "seed_single.json").read_bytes()
+    c = Container(image, ports=(8080,))
+    try:
+        ready(c, 8080, body)
+        status, answer = post(c.url(8080), body)
+        config = DLRMConfig.from_yaml(ROOT / "model-config.yaml")
+        batch, bad = collate([RequestParser(config).parse(body)], config)
+        assert status == 200 and np.allclose(answer["scores"], scores(DLRMFactory(config).random(), batch, config)[0],
+                                             atol=1e-5, rtol=0)
+    finally:
+        c.remove()
