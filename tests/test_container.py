@@ -193,6 +193,18 @@ def test_probe_paths_metrics_and_logs(served):
     assert "DLRM loaded on cpu" in logs, logs[-4000:]  # the handler's own log line, on stdout
 
 
+def test_the_open_inference_protocol_checks_pass_against_the_container(served):
+    """tests/test_oip_server.py's checks, through the image's plugin: server live, ready and
+    metadata (tritonclient and the kserve SDK), model ready, and an infer request built from the
+    model metadata alone scoring as /predictions does."""
+    import test_oip_server as oip
+
+    srv = _Url(served.url())
+    oip.test_server_live_ready_and_metadata(srv)
+    assert oip.triton(srv).is_model_ready("dlrm") and oip.sdk(srv, "is_model_ready", "dlrm") is True
+    oip.test_infer_built_from_the_metadata_alone_scores_as_predictions(srv)
+
+
 def test_two_replicas_on_one_layout_both_answer(image, layout, runtime_args, served):
     other = Container(image, runtime_args, layout)
     try:
