@@ -13,7 +13,7 @@ DOCS = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 PATH_ENDINGS = (".py", ".yaml", ".yml", ".json", ".md", ".properties", ".sh", ".txt", ".png")
 # Created at run time (make serve, train.py, the docs' own examples), or not paths of this repo.
 NOT_REPO_PATHS = (".venv/", "model_store/", "logs/", ".serve/", "trained/", "checkpoint/", "my-model.yaml", "my-criteo.yaml",
-                  "heldout.json", "verify.jsonl", "key_file.json", "OUT.yaml", "application/", "text/", "nvidia.com/",
+                  "heldout.json", "verify.jsonl", "build/docker/", "key_file.json", "OUT.yaml", "application/", "text/", "nvidia.com/",
                   "examples/")
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 RUNNABLE = re.compile(r"^<!-- runnable -->\n```(?:sh|bash|console)?\n(.*?)^```", re.S | re.M)
