@@ -496,7 +496,7 @@ def verify_archive(mar: str | Path, path: str | Path, tolerance: float = 1e-5,
             raise ConfigError(f"--verify: the archive did not load or score as a worker "
                               f"(exit {run.returncode}):\n{run.stderr[-3000:]}")
         answers = json.loads(answers.read_text())
-    deltas, served_all, trainer_all, labels_all = [], [], [], []
+    deltas, served_all, trainer_all, labels_all = [], [], [], []  # deltas: (|d|, line, row, served, trainer)
     for doc, (status, body) in zip(lines, answers):
         where = f"--verify {path}, line {doc['line']}"
         if status != 200:
@@ -505,26 +505,28 @@ def verify_archive(mar: str | Path, path: str | Path, tolerance: float = 1e-5,
         if len(served) != len(doc["scores"]):
             raise ConfigError(f"{where}: the archive answered {len(served)} scores for {len(doc['scores'])} "
                               f"trainer scores (one per row of the request)")
-        for r, (s, t) in enumerate(zip(served, doc["scores"])):
-            deltas.append((abs(s - t), f"line {doc['line']}, row {r}: served {s:.7g}, trainer {t:.7g}"))
+        deltas += [(abs(s - t), doc["line"], r, s, t) for r, (s, t) in enumerate(zip(served, doc["scores"]))]
         served_all += served
         trainer_all += doc["scores"]
         labels_all += doc.get("labels") or []
     worst = max(deltas)
-    auc = (_auc(served_all, labels_all), _auc(trainer_all, labels_all)) if labels_all else None
-    result = Verified(len(deltas), len(lines), worst[0], worst[1], sum(d > tolerance for d, _ in deltas), auc)
+    aucs = (auc(served_all, labels_all), auc(trainer_all, labels_all)) if labels_all else None
+    result = Verified(len(deltas), len(lines), worst[0],
+                      f"line {worst[1]}, row {worst[2]}: served {worst[3]:.7g}, trainer {worst[4]:.7g}",
+                      sum(d[0] > tolerance for d in deltas), aucs)
     log(f"[verify] {result.rows} rows in {result.requests} requests of {path} scored by the archive as a worker "
         f"loads it in {time.perf_counter() - started:.1f} s: max |served - trainer| {result.max_delta:.3g} "
         f"(tolerance {tolerance:g}; {result.worst})"
-        + (f"; AUC served {auc[0]:.6f} vs trainer {auc[1]:.6f}" if auc else ""))
+        + (f"; AUC served {aucs[0]:.6f} vs trainer {aucs[1]:.6f}" if aucs else ""))
     return result
 
 
-def _auc(scores: list[float], labels: list[float]) -> float:
-    """Exact ROC AUC (torchmetrics, which torchrec already needs)."""
+def auc(scores, labels) -> float:
+    """Exact ROC AUC: the chance that a random positive outscores a random negative (ties count
+    half); torchmetrics, which torchrec already needs. scripts/train.py reports the same."""
     from torchmetrics.functional.classification import binary_auroc
 
-    return float(binary_auroc(torch.tensor(scores, dtype=torch.float64), torch.tensor(labels).long()))
+    return float(binary_auroc(torch.as_tensor(scores, dtype=torch.float64), torch.as_tensor(labels).long()))
 
 
 def _score_as_worker(model_dir: str, requests: str, answers: str) -> None:

@@ -35,6 +35,11 @@ from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the kit's modules: the Criteo transform and the AUC the build's --verify prints
+
+from dlrm_checkpoint import auc  # noqa: E402
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -107,7 +112,6 @@ class Clicks:
     def _read_tsv(self, path: Path):
         """The file through the handler's own transform, shifted by the file's minimum as
         tsv_to_npys does (``self.dense_shift``); the held-out lines kept raw in ``self.lines``."""
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
         import dlrm_criteo
 
         parsed = dlrm_criteo.read_file(path)
@@ -224,13 +228,6 @@ def worker(rank: int, args, port: int) -> None:
         log(f"held-out AUC {doc['auc']:.4f} on {len(rows)} rows; saved {out / 'checkpoint'} "
             f"(DCP, {args.world_size} rank(s)), {out / 'heldout.json'} and {out / 'verify.jsonl'}")
     dist.destroy_process_group()
-
-
-def auc(scores, labels) -> float:
-    """Exact ROC AUC: the chance that a random positive outscores a random negative (ties count half)."""
-    from torchmetrics.functional.classification import binary_auroc
-
-    return float(binary_auroc(torch.as_tensor(scores, dtype=torch.float64), torch.as_tensor(labels).long()))
 
 
 def free_port() -> int:
