@@ -5,13 +5,18 @@
     # an archive of an older commit: git worktree add /tmp/old <commit>, then in /tmp/old
     #   .venv/bin/python scripts/build_mar.py --config model-config.criteo.yaml --output-dir /tmp/a
 
-Both archives are registered in one TorchServe (one worker each; the shipped
-config.properties, with each archive's own model config) and loaded in turn, point by point,
-the order of A and B swapped every round, so that a drift of the shared machine hits both
-alike. A point is a request kind and a concurrency: single-row requests (``1``) or 128-row
-ranking-form requests (``ranking``) of the archive's config. Reports per point the median
-req/s and p50/p99 of each and the median over rounds of B's req/s over A's from the same
-round. Writes OUT.json and OUT.md.
+Both archives are registered in one TorchServe (the CPU rule's workers each, idle while the
+other is loaded; the shipped config.properties, with each archive's own model config) and loaded
+in turn, point by point, the order of A and B swapped every round, so that a drift of the shared
+machine hits both alike. A point is a request kind and a concurrency: single-row requests
+(``1``) or 128-row ranking-form requests (``ranking``) of the archive's config, closed-loop; or
+``scenario:RATE``, the MLPerf-shaped Server scenario's queries (bench/server_scenario.py:
+100-700 pairs, open-loop Poisson arrivals) at RATE queries/s. Reports per point the median req/s
+and p50/p99 of each and the median over rounds of B's req/s over A's from the same round (for a
+scenario point, whose req/s is its rate, B's p99 over A's, and the rounds whose p99 stayed
+<= 60 ms). Writes OUT.json and OUT.md.
+
+    python bench/ab_archives.py --a b64.mar --b b1.mar --points scenario:60 scenario:90 --out /tmp/ab
 """
 
 from __future__ import annotations
@@ -28,14 +33,18 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "scripts")]
 from benchmark import RANKING, log, make_kind, measure_load, rows_of, write_report  # noqa: E402
+from server_scenario import P99_BOUND_MS, make_query, mlperf_bags, probe, query_pairs  # noqa: E402
 from tsctl import ROOT, Server  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 
 
+SCENARIO = "scenario"  # KIND of an open-loop point: its number is a query rate
+
+
 def point_of(text: str) -> tuple:
     kind, _, c = text.partition(":")
-    return (int(kind) if kind.isdigit() else kind, int(c))
+    return (int(kind) if kind.isdigit() else kind, float(c) if kind == SCENARIO else int(c))
 
 
 def summarize(ab: dict, base: str, new: str) -> tuple[dict, list[float], int]:
@@ -66,8 +75,8 @@ def main() -> int:
     ap.add_argument("--config", default=str(ROOT / "model-config.criteo.yaml"),
                     help="the model config both archives were built from, for the requests (default: %(default)s)")
     ap.add_argument("--points", nargs="+", default=["1:1", "1:64", f"{RANKING}:16"], metavar="KIND:C",
-                    help="request kind (1 = single row, ranking = 128-row ranking form) and concurrency "
-                         "(default: %(default)s)")
+                    help="request kind (1 = single row, ranking = 128-row ranking form) and concurrency, or "
+                         "scenario:RATE (the Server scenario's queries, open loop at RATE/s) (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds (default: %(default)s)")
     ap.add_argument("--duration", type=float, default=6.0, help="seconds per load (default: %(default)s)")
     ap.add_argument("--out", required=True, help="output path without suffix: writes OUT.json and OUT.md")
@@ -78,7 +87,11 @@ def main() -> int:
     cfg = DLRMConfig.from_yaml(args.config)
     points = [point_of(p) for p in args.points]
     rng = random.Random(7)
-    pools = {kind: [make_kind(kind, cfg, rng) for _ in range(256 if kind == 1 else 16)] for kind, _ in points}
+    pools = {kind: [make_kind(kind, cfg, rng) for _ in range(256 if kind == 1 else 16)]
+             for kind, _ in points if kind != SCENARIO}
+    if any(kind == SCENARIO for kind, _ in points):
+        pools[SCENARIO] = [(n, make_query(cfg, rng, n, mlperf_bags(cfg))) for n in (query_pairs(rng) for _ in range(48))]
+    first = pools[points[0][0]][0]
     started = time.perf_counter()
     runs = {p: {"a": [], "b": []} for p in points}
     with tempfile.TemporaryDirectory(prefix="dlrm-ab-") as tmp:
@@ -91,12 +104,21 @@ def main() -> int:
         srv.start()
         try:
             for name in ("a", "b"):
-                srv.wait_ready(name, pools[points[0][0]][0], timeout=300)
+                srv.wait_ready(name, first[1] if isinstance(first, tuple) else first, timeout=300)
+            if SCENARIO in pools:  # the frontend's JIT warms up on these large bodies before round 1
+                for name in ("a", "b"):
+                    probe(srv, name, pools[SCENARIO], min(c for k, c in points if k == SCENARIO), args.duration, seed=99)
             for r in range(args.rounds):
                 for point in points:
                     kind, c = point
                     for name in ("a", "b") if r % 2 == 0 else ("b", "a"):
-                        got = measure_load(f"{srv.url}/predictions/{name}", pools[kind], rows_of(kind), c, args.duration)
+                        if kind == SCENARIO:
+                            p = probe(srv, name, pools[kind], c, args.duration, seed=r)
+                            got = {"requests_per_s": p["queries_per_s"], "p50_ms": p["p50_ms"], "p99_ms": p["p99_ms"],
+                                   "errors": p["failed"], "ok": p["ok"]}
+                        else:
+                            got = measure_load(f"{srv.url}/predictions/{name}", pools[kind], rows_of(kind), c,
+                                               args.duration)
                         runs[point][name].append(got)
                         log(f"round {r + 1}/{args.rounds} {kind}:{c} {name.upper()}: {got['requests_per_s']:,.1f} req/s, "
                             f"p50 {got['p50_ms']:.2f} ms, p99 {got['p99_ms']:.1f} ms")
@@ -112,12 +134,20 @@ def main() -> int:
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for (kind, c), ab in runs.items():
         med, ratios, errors = summarize(ab, "a", "b")
+        rates, latencies = cells(med, "a", "b")
+        if kind == SCENARIO:
+            ratios = [b["p99_ms"] / a["p99_ms"] for a, b in zip(ab["a"], ab["b"])]
+            passed = {n: sum(x["ok"] for x in ab[n]) for n in ab}
+            what = (f"scenario queries, open loop at {c:g}/s (B / A: p99; p99 <= {P99_BOUND_MS:.0f} ms in A "
+                    f"{passed['a']}/{len(ab['a'])}, B {passed['b']}/{len(ab['b'])} rounds)")
+        else:
+            passed = None
+            what = "single row" if kind == 1 else f"{rows_of(kind)} rows ({kind})"
         ratio = statistics.median(ratios)
         report["points"].append({"kind": kind, "concurrency": c, "a": med["a"], "b": med["b"],
-                                 "b_over_a": round(ratio, 3), "errors": errors})
-        rates, latencies = cells(med, "a", "b")
-        lines.append(f"| {'single row' if kind == 1 else f'{rows_of(kind)} rows ({kind})'} | {c} | "
-                     f"{rates} | {ratio:.3f} | {latencies} | {errors} |")
+                                 "b_over_a": round(ratio, 3), "errors": errors,
+                                 **({"rounds_within_p99_bound": passed} if passed else {})})
+        lines.append(f"| {what} | {'' if kind == SCENARIO else c} | {rates} | {ratio:.3f} | {latencies} | {errors} |")
     return finish(args.out, report, lines, started)
 
 

@@ -185,6 +185,7 @@ def probe(srv: Server, model: str, pool: list[tuple[int, bytes]], rate: float, s
             "queries_per_s": round(ok / seconds, 2), "pairs_per_s": round(pairs / seconds),
             "p50_ms": round(res.percentile(50), 1), "p99_ms": round(p99, 1),
             **{f"{k}_cpu_us_per_query": round(v / max(1, ok) * 1e6) for k, v in cpu.items()},
+            "client_cpu_us_per_query": round(res.client_cpu_s / max(1, ok) * 1e6),
             "ok": bad == 0 and p99 <= P99_BOUND_MS}
 
 
@@ -263,8 +264,11 @@ def scenario(srv: Server, model: str, cfg, host: HostForward, seconds: float, ho
         row.update(queries_per_s=best["queries_per_s"], pairs_per_s=best["pairs_per_s"], p99_ms=best["p99_ms"],
                    p50_ms=best["p50_ms"], frontend_cpu_us_per_query=best["frontend_cpu_us_per_query"],
                    workers_cpu_us_per_query=best["workers_cpu_us_per_query"],
+                   client_cpu_us_per_query=best["client_cpu_us_per_query"],
                    pairs_per_s_per_core=round(best["pairs_per_s"] / before["cpus"]),
-                   vs_host=round(best["pairs_per_s"] / host_rows, 3))
+                   vs_host=round(best["pairs_per_s"] / host_rows, 3),
+                   ceiling=ceiling(best, mean_pairs, host_rows, before["cpus"]))
+        row["ceiling"] = row["ceiling"] and round(row["ceiling"], 3)
     else:
         lowest = min(found["probes"], key=lambda p: p["rate"])
         row.update(queries_per_s=0, pairs_per_s=0, p99_ms=None, pairs_per_s_per_core=0, vs_host=0.0,
@@ -274,21 +278,34 @@ def scenario(srv: Server, model: str, cfg, host: HostForward, seconds: float, ho
     return row
 
 
+def ceiling(p: dict, pairs: float, host_rows_per_s: float, cpus: int) -> float | None:
+    """The most ``probe`` ``p``'s CPU costs let this host reach of its raw forward: the forward's
+    CPU per query (``pairs`` rows at the host's rate, all ``cpus`` busy) over all the CPU a query
+    took (frontend, workers, the load generator: they share these cores), i.e. pairs/s over the
+    host's forward if every core were kept busy, which Poisson arrivals under a p99 bound never do."""
+    if not p["workers_cpu_us_per_query"]:  # no CPU figure for that probe (a worker was replaced)
+        return None
+    forward_us = cpus * pairs / host_rows_per_s * 1e6
+    return forward_us / (p["frontend_cpu_us_per_query"] + p["workers_cpu_us_per_query"] + p["client_cpu_us_per_query"])
+
+
 def markdown(rows: list[dict]) -> list[str]:
     lines = ["", f"**MLPerf-shaped Server scenario** (open-loop Poisson queries of {PAIRS[0]}-{PAIRS[1]} pairs, `columns` "
              f"form; the highest rate with p99 <= {P99_BOUND_MS:.0f} ms and no failed query; probes of "
              f"{rows[0]['probe_seconds']:g} s)", "",
-             "| model | pairs/query mean | CPUs | queries/s | pairs/s | pairs/s per core | p50 / p99 ms | CPU µs/query "
-             f"frontend / workers | host raw forward B={HOST_BATCH} rows/s (processes / threads) | pairs/s / host |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| model | TorchServe batchSize | pairs/query mean | CPUs | queries/s | pairs/s | pairs/s per core | p50 / p99 ms | CPU µs/query "
+             f"frontend / workers / load generator | host raw forward B={HOST_BATCH} rows/s (processes / threads) | pairs/s / host | "
+             "ceiling: forward CPU / all CPU per query |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         p99 = (f"{r['p50_ms']} / {r['p99_ms']}" if r["p99_ms"] is not None
                else f"none met (p99 {r['lowest_rate_p99_ms']} ms at {r['lowest_rate']} q/s)")
-        cpu = f"{r.get('frontend_cpu_us_per_query', 0):,} / {r.get('workers_cpu_us_per_query', 0):,}"
-        lines.append(f"| {r['model']} | {r['pairs_mean']} | {r['cpus']} | {r['queries_per_s']} | {r['pairs_per_s']:,} | "
+        cpu = " / ".join(f"{r.get(f'{k}_cpu_us_per_query', 0):,}" for k in ("frontend", "workers", "client"))
+        lines.append(f"| {r['model']} | {r.get('batch_size', '')}{' (override)' if r.get('batch_size_override') else ''} | "
+                     f"{r['pairs_mean']} | {r['cpus']} | {r['queries_per_s']} | {r['pairs_per_s']:,} | "
                      f"{r['pairs_per_s_per_core']:,} | {p99} | {cpu} | {r['host_rows_per_s']:,} "
                      f"({r['host_before']['processes_rows_per_s']:,} / {r['host_before']['threads_rows_per_s']:,}) | "
-                     f"{r['vs_host']} |")
+                     f"{r['vs_host']} | {r.get('ceiling', '')} |")
     lines += ["", "Probes (rate q/s: p99 ms): " + "; ".join(
         f"{r['model']}: " + ", ".join(f"{p['rate']}: {p['p99_ms']}" for p in r["probes"]) for r in rows), "",
         "Published MLPerf Inference DLRMv2 figures (full-size model, other hardware; MLPerf's samples/s count "
@@ -296,18 +313,28 @@ def markdown(rows: list[dict]) -> list[str]:
     return lines
 
 
-def serve_and_measure(cfg_path: Path, tmp: Path, seconds: float, host_seconds: float) -> dict:
-    """Build ``cfg_path``'s archive, serve it (the shipped worker rule), run the scenario."""
+def serve_and_measure(cfg_path: Path, tmp: Path, seconds: float, host_seconds: float,
+                      batch_size: int | None = None) -> dict:
+    """Build ``cfg_path``'s archive, serve it (the shipped worker rule), run the scenario. With
+    ``batch_size``, the archive carries that TorchServe batchSize instead of the config's."""
     import torch
+    import yaml
 
     from dlrm_config import DLRMConfig
     from dlrm_factory import DLRMFactory
 
     cfg = DLRMConfig.from_yaml(cfg_path)
     name = cfg_path.stem.replace("model-config.", "").replace("model-config", "seed")
+    source = cfg_path
+    if batch_size is not None:
+        name += f"_b{batch_size}"
+        doc = yaml.safe_load(cfg_path.read_text())
+        doc["batchSize"] = batch_size
+        source = tmp / f"{name}.yaml"
+        source.write_text(yaml.safe_dump(doc, sort_keys=False))
     store = tmp / f"store-{name}"
-    log(f"{cfg_path.name}: building the archive")
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "build_mar.py"), "--config", str(cfg_path), "--output-dir",
+    log(f"{cfg_path.name}: building the archive{f' (batchSize {batch_size})' if batch_size is not None else ''}")
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "build_mar.py"), "--config", str(source), "--output-dir",
                     str(store), "--model-name", name, "--force"], check=True, stdout=subprocess.DEVNULL)
     subprocess.run(["unzip", "-q", "-o", str(store / f"{name}.mar"), "dlrm.pt", "-d", str(tmp / name)], check=True)
     factory = DLRMFactory(cfg)
@@ -326,6 +353,8 @@ def serve_and_measure(cfg_path: Path, tmp: Path, seconds: float, host_seconds: f
         srv.stop()
         host.close()
     row["config"] = cfg_path.name
+    row["batch_size"] = yaml.safe_load(source.read_text()).get("batchSize")
+    row["batch_size_override"] = batch_size is not None
     return row
 
 
@@ -337,6 +366,10 @@ def main() -> int:
     ap.add_argument("--probe-seconds", type=float, default=8.0, help="seconds per probed rate (default: %(default)s)")
     ap.add_argument("--host-seconds", type=float, default=3.0,
                     help="seconds per raw-forward measurement, each way (default: %(default)s)")
+    ap.add_argument("--ranking-batch-size", type=int, default=1,
+                    help="also serve the first config with this TorchServe batchSize, as a deployment that serves "
+                         "only ranking queries would (one query per batch: no query waits behind another in a "
+                         "worker while the other idles); 0 leaves it out (default: %(default)s)")
     ap.add_argument("--out", default=str(ROOT / "results" / "server-scenario"),
                     help="output path without suffix (default: %(default)s)")
     args = ap.parse_args()
@@ -344,6 +377,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="dlrm-server-scenario-") as tmp:
         rows = [serve_and_measure(Path(c).resolve(), Path(tmp), args.probe_seconds, args.host_seconds)
                 for c in args.configs]
+        if args.ranking_batch_size:
+            rows.append(serve_and_measure(Path(args.configs[0]).resolve(), Path(tmp), args.probe_seconds,
+                                          args.host_seconds, args.ranking_batch_size))
     report = {"command": "python bench/server_scenario.py " + " ".join(sys.argv[1:]), "rows": rows,
               "mlperf_published": MLPERF_PUBLISHED, "wall_s": round(time.perf_counter() - started)}
     write_report(Path(args.out), report, markdown(rows))
