@@ -773,6 +773,11 @@ def markdown(report) -> str:
                   "|---|" + "---:|" * len(turns)]
         lines += [f"| {name} | " + " | ".join(f"{t['figures'][name]:,}" for t in turns) + " |" for name in turns[0]["figures"]]
         lines += [f"| ratio: {name} | " + " | ".join(str(t["ratios"][name]) for t in turns) + " |" for name in turns[0]["ratios"]]
+        cpus = m.get("available_cpus", m["cpus"])
+        per_core = {name: statistics.median(t["figures"][name] for t in turns) / cpus
+                    for name in ("host B=128", "ranking c=16", "columns c=16", "instances c=16") if name in turns[0]["figures"]}
+        lines += ["", f"Per core ({cpus} CPUs, medians over the turns): " + ", ".join(
+            f"{name} {v:,.0f} rows/s" for name, v in per_core.items()) + "."]
     if report.get("server_scenario"):
         import server_scenario
 
