@@ -21,10 +21,12 @@ One run, one machine, six parts (the Criteo-layout config by default):
   5. both sides of every served target back to back, in turns: the DLRM and echo points, the
      served model's raw forward in this process, the host's raw forward on every CPU
      (server_scenario.HostForward) and the model pinned to the previous 1 worker x 1 thread;
-  6. the MLPerf-shaped Server scenario (bench/server_scenario.py) for --config's model and
-     for --scenario-configs, each served on its own.
+  6. the MLPerf-shaped Server scenario (bench/server_scenario.py) for --config's model, for
+     --scenario-configs, each served on its own, and for --config's model served on its own with
+     --scenario-ranking-batch-size.
 Writes results/benchmark.json, results/benchmark.md and results/benchmark.png, and computes the
-targets from this run's own figures (ratios within one run; the served ones from part 5).
+targets from this run's own figures (ratios within one run; the served ones from part 5), with
+the CPU ceiling of the ranking and scenario ratios beside them (cpu_ceiling).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The host's raw-forward limit, and an MLPerf-shaped Server scenario against a real TorchServe.
 
-    python bench/server_scenario.py                      # both configs, ~5 minutes
+    python bench/server_scenario.py                      # both configs and criteo_b1, ~5 minutes
     python bench/server_scenario.py --probe-seconds 5 --configs model-config.criteo.yaml
 
 ``HostForward``: the served model's forward using every CPU this process may use
@@ -15,7 +15,9 @@ user-item pairs (a truncated exponential, mean ~270; MLPerf draws from its own t
 open-loop Poisson arrival times (bench/loadgen.run_open_loop: latency from each query's
 scheduled send time); a search for the highest query rate whose p99 latency stays <= 60 ms
 (probes of --probe-seconds each, far shorter than MLPerf's 10 minutes). Per config: queries/s,
-pairs/s, pairs/s per core, and the host's raw forward at B=256 beside it. Writes
+pairs/s, pairs/s per core, the host's raw forward at B=256 beside it, and the ratio's CPU ceiling
+(``ceiling``); with --ranking-batch-size (default 1) the first config once more, served with that
+TorchServe batchSize (``criteo_b1``: a deployment for ranking queries only). Writes
 results/server-scenario.json and .md (bench/benchmark.py folds the same rows into its report).
 """
 
