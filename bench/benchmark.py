@@ -712,14 +712,16 @@ def targets(raw, handler_rows, turns, scenario=(), served_rows=(), cpus=None) ->
                 "value": find(raw, batch=32).get("fused_vs_unfused"), "bound": 1.3, "higher_is_better": True})
     out[-1]["target"] += " (served model: also jit-frozen dense parts)"
     for r in scenario:
-        if r["config"] == "model-config.criteo.yaml" and not r.get("batch_size_override"):
+        if r["config"] != "model-config.criteo.yaml":
+            continue
+        if not r.get("batch_size_override"):
             out.append({"target": f"MLPerf-shaped Server scenario ({r['config']}): pairs/s at the highest rate with p99 <= "
                                   "60 ms >= 0.6 x the host's raw forward rows/s at B=256",
                         "value": r["vs_host"], "bound": 0.6, "higher_is_better": True})
-        elif r["config"] == "model-config.criteo.yaml":
+        else:
             out.append({"target": f"context: the same scenario with the model served with batchSize {r['batch_size']} "
                                   "(a ranking-only deployment)", "value": r["vs_host"], "bound": None})
-        if r["config"] == "model-config.criteo.yaml" and r.get("ceiling"):
+        if r.get("ceiling"):
             out.append({"target": f"context: the ceiling of that ratio on this host (batchSize {r['batch_size']}): the "
                                   "forward's CPU / all the CPU per query at the best rate (frontend + workers + load "
                                   "generator)", "value": r["ceiling"], "bound": None})

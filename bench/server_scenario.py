@@ -274,7 +274,6 @@ def scenario(srv: Server, model: str, cfg, host: HostForward, seconds: float, ho
                    pairs_per_s_per_core=round(best["pairs_per_s"] / before["cpus"]),
                    vs_host=round(best["pairs_per_s"] / host_rows, 3),
                    ceiling=ceiling(best, mean_pairs, host_rows, before["cpus"]))
-        row["ceiling"] = row["ceiling"] and round(row["ceiling"], 3)
     else:
         lowest = min(found["probes"], key=lambda p: p["rate"])
         row.update(queries_per_s=0, pairs_per_s=0, p99_ms=None, pairs_per_s_per_core=0, vs_host=0.0,
@@ -285,14 +284,15 @@ def scenario(srv: Server, model: str, cfg, host: HostForward, seconds: float, ho
 
 
 def ceiling(p: dict, pairs: float, host_rows_per_s: float, cpus: int) -> float | None:
-    """The most ``probe`` ``p``'s CPU costs let this host reach of its raw forward: the forward's
+    """The most (to 3 places) ``probe`` ``p``'s CPU costs let this host reach of its raw forward: the forward's
     CPU per query (``pairs`` rows at the host's rate, all ``cpus`` busy) over all the CPU a query
     took (frontend, workers, the load generator: they share these cores), i.e. pairs/s over the
     host's forward if every core were kept busy, which Poisson arrivals under a p99 bound never do."""
     if not p["workers_cpu_us_per_query"]:  # no CPU figure for that probe (a worker was replaced)
         return None
     forward_us = cpus * pairs / host_rows_per_s * 1e6
-    return forward_us / (p["frontend_cpu_us_per_query"] + p["workers_cpu_us_per_query"] + p["client_cpu_us_per_query"])
+    spent = p["frontend_cpu_us_per_query"] + p["workers_cpu_us_per_query"] + p["client_cpu_us_per_query"]
+    return round(forward_us / spent, 3)
 
 
 def markdown(rows: list[dict]) -> list[str]:
