@@ -20,7 +20,7 @@ VERIFY ?=
 VERIFY_ARG = $(if $(VERIFY),--verify $(VERIFY))
 CKPT_FILES := $(if $(CHECKPOINT),$(or $(wildcard $(CHECKPOINT)/.metadata $(CHECKPOINT)/*),$(CHECKPOINT)))
 
-.PHONY: help venv plugin image mar serve ready rollout rollback stop test unit integration bench knobs soak faults clean FORCE
+.PHONY: help venv plugin image image-base mar serve ready rollout rollback stop test unit integration bench knobs soak faults clean FORCE
 
 # Creates .venv and installs the pinned stack; a no-op once done (see scripts/install.sh).
 venv:  ## create .venv with the pinned stack (a no-op once done)
@@ -84,10 +84,11 @@ IMAGE   ?= ghcr.io/example/dlrm-torchserve:0.1.0-$(if $(filter cuda,$(VARIANT)),
 BASE    ?= debian:bookworm-slim
 WHEELHOUSE ?= 1
 PIP_CA  ?=
-image: $(PLUGIN)  ## build the container image deploy/kserve runs (VARIANT=cpu|cuda)
-	@docker image inspect $(BASE) >/dev/null 2>&1 || docker pull $(BASE) || { \
-	  echo "[image] $(BASE) cannot be pulled: making it locally (mmdebstrap --variant=minbase bookworm | docker import)"; \
-	  mmdebstrap --variant=minbase bookworm - | docker import - $(BASE); }
+# The base first: a missing mmdebstrap stops the build before minutes of wheels (scripts/base_image.sh).
+image-base:  ## make sure BASE exists and runs /bin/sh (kept, pulled, or made with mmdebstrap)
+	@bash scripts/base_image.sh $(BASE)
+
+image: image-base $(PLUGIN)  ## build the container image deploy/kserve runs (VARIANT=cpu|cuda)
 	@[ "$$(cat build/docker/.variant 2>/dev/null)" = "$(VARIANT)" ] || rm -rf build/docker
 	@mkdir -p build/docker/plugins build/docker/wheelhouse && echo $(VARIANT) > build/docker/.variant
 	@case "$(WHEELHOUSE)" in \

@@ -43,13 +43,18 @@ def docker(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="session")
-def image():
-    """`make image`, once per session."""
+def engine():
+    """A Docker engine that answers: skipped without one, failed on CI."""
     if shutil.which("docker") is None or docker("info", check=False).returncode != 0:
         why = "no Docker engine: start dockerd (as root: apt-get install docker.io mmdebstrap; dockerd &) or run .ci/run"
         if os.environ.get("CI") == "true":
             pytest.fail(why)
         pytest.skip(why)
+
+
+@pytest.fixture(scope="session")
+def image(engine):
+    """`make image`, once per session."""
     subprocess.run(["make", "-C", str(ROOT), "image"], check=True, timeout=1800)
     return IMAGE
 
@@ -246,3 +251,60 @@ def test_default_docker_run_serves_the_readme_seed_request(image):
                                              atol=1e-5, rtol=0)
     finally:
         c.remove()
+
+
+def path_without(tool: str, into: Path) -> str:
+    """A PATH of every command on this one but ``tool``: a machine where it was never installed."""
+    into.mkdir()
+    for d in os.environ["PATH"].split(os.pathsep):
+        for f in Path(d).glob("*") if Path(d).is_dir() else []:
+            if f.name != tool and not (into / f.name).exists() and os.access(f, os.X_OK):
+                (into / f.name).symlink_to(f)
+    assert shutil.which(tool, path=str(into)) is None
+    return str(into)
+
+
+def make_image(base: str, path: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", "-C", str(ROOT), "image", f"BASE={base}"], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PATH": path})
+
+
+def exists(image: str) -> bool:
+    return docker("image", "inspect", image, check=False).returncode == 0
+
+
+MISSING = ("cannot be pulled and mmdebstrap (which makes it locally) is missing: install it "
+           "(Debian: apt-get install mmdebstrap), then run make image again")
+
+
+def test_make_image_without_mmdebstrap_stops_first_and_tags_nothing(engine, tmp_path):
+    base = f"debian:bookworm-dlrmtest-{uuid.uuid4().hex[:8]}"  # no registry has it: the local fallback
+    out = make_image(base, path_without("mmdebstrap", tmp_path / "bin"))
+    assert out.returncode != 0
+    assert f"[image] {base} {MISSING}" in out.stderr
+    assert "[install]" not in out.stdout + out.stderr  # stopped before the wheelhouse and the build
+    assert not exists(base)
+
+
+def test_an_empty_base_is_removed_and_made_again_never_reused(engine, tmp_path):
+    """What an unchecked `mmdebstrap ... - | docker import -` left behind: a 0-byte image."""
+    base = f"debian:bookworm-dlrmtest-{uuid.uuid4().hex[:8]}"
+    subprocess.run(["docker", "import", "-", base], input=b"", check=True, capture_output=True, timeout=60)
+    try:
+        assert exists(base)
+        out = make_image(base, path_without("mmdebstrap", tmp_path / "bin"))
+        assert out.returncode != 0
+        assert f"[image] {base} exists but cannot run /bin/sh (an empty or broken image): removing it" in out.stdout
+        assert f"[image] {base} {MISSING}" in out.stderr
+        assert not exists(base)
+        if shutil.which("mmdebstrap") is None and os.environ.get("CI") != "true":
+            pytest.skip("mmdebstrap is not installed: the rebuild half needs it (apt-get install mmdebstrap)")
+        # With the tool installed the same call makes a base that runs a shell: no manual cleanup.
+        subprocess.run(["docker", "import", "-", base], input=b"", check=True, capture_output=True, timeout=60)
+        out = subprocess.run(["bash", str(ROOT / "scripts" / "base_image.sh"), base], capture_output=True,
+                             text=True, timeout=600)
+        assert out.returncode == 0, out.stderr
+        assert f"[image] {base} made locally" in out.stdout
+        assert docker("run", "--rm", "--network", "none", base, "/bin/sh", "-c", "echo ok").stdout == "ok\n"
+    finally:
+        docker("image", "rm", "-f", base, check=False)
