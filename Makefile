@@ -9,7 +9,7 @@ SAMPLE  ?= $(wildcard $(patsubst model-config.%.yaml,sample_requests/%.json,$(fi
 SAMPLE_ARG = $(if $(SAMPLE),--sample $(SAMPLE))
 PROBE_ARG  = $(if $(SAMPLE),--sample $(SAMPLE),--config $(CONFIG))
 SOURCES := dlrm_handler.py dlrm_factory.py dlrm_core.py dlrm_config.py dlrm_errors.py dlrm_scale.py dlrm_kserve.py dlrm_checkpoint.py dlrm_criteo.py \
-           dlrm_cpus.py \
+           dlrm_cpus.py dlrm_request.py dlrm_json.py dlrm_forms.py \
            scripts/build_mar.py
 # A trained checkpoint to serve (docs/trained-models.md): a .pt/.pth file or a DCP directory,
 # whose files the archive then depends on.

@@ -1,12 +1,17 @@
 """TorchServe handler for torchrec DLRM models.
 
-Thin wiring over the TorchServe-free core (``dlrm_core``): parse each request, collate the
-whole TorchServe batch into one dense tensor and one KeyedJaggedTensor, run one forward pass
-(several for a batch of more than MAX_ROWS_PER_FORWARD rows), and answer every request on its own: a bad request gets its own 4xx and JSON error body while
-the good requests of the same batch get their scores. TorchServe imports this file and wants
-exactly one class in it. Each request is read and answered in its own protocol (dlrm_kserve:
-/predictions and gRPC as in docs/requests-and-errors.md, KServe v1, Open Inference Protocol v2 JSON or binary),
-and requests of every protocol share the batch's forward pass.
+Thin wiring over the TorchServe-free core. A request's way through one TorchServe batch::
+
+    req = open_request(body, route, headers)    dlrm_kserve: its protocol (/predictions JSON, Criteo
+                                                TSV, KServe v1, OIP v2 JSON or binary)
+    parsed = req.parse()                        -> dlrm_request.ParsedRequest, or a RequestError (4xx)
+    batch, bad = collate(parsed requests)       dlrm_core: one dense tensor + one KeyedJaggedTensor
+    per_request = scores(model, batch)          dlrm_core: one forward (one per MAX_ROWS_PER_FORWARD rows)
+    req.answer(scores) / req.error(err)         the protocol's reply: body, Content-Type, headers
+
+Every request is answered on its own: a bad request gets its own 4xx and error body while the
+good requests of the same batch get their scores, and requests of every protocol share the
+batch's forward pass. TorchServe imports this file and wants exactly one class in it.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from ts.torch_handler.base_handler import BaseHandler
 from ts.utils.util import PredictionException
 
 from dlrm_config import DLRMConfig
-from dlrm_core import RequestParser, collate, scores
+from dlrm_core import collate, scores
+from dlrm_forms import RequestParser
 from dlrm_cpus import torch_threads
 from dlrm_errors import BadRequest, ConfigError, RequestError
 from dlrm_factory import DLRMFactory

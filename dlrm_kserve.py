@@ -3,10 +3,10 @@
 TorchServe 0.12 routes ``POST /v1/models/<m>:predict`` and ``POST /v2/models/<m>/infer`` to the
 handler like ``/predictions/<m>``. Its own KServe envelopes decode only the first request of a
 batch, so the kit speaks the protocols itself, per request: ``open_request`` picks the protocol,
-the protocol's ``parse`` gives a ``dlrm_core.ParsedRequest`` (so requests of every protocol share
+the protocol's ``parse`` gives a ``dlrm_request.ParsedRequest`` (so requests of every protocol share
 one collate and one forward pass), and its ``answer`` / ``error`` give that request's reply.
 
-    Predictions  /predictions/<m> and gRPC Predictions: dlrm_core's formats, unchanged
+    Predictions  /predictions/<m> and gRPC Predictions: dlrm_forms's JSON forms, unchanged
     KServeV1     {"instances": [<instance>, ...]}  ->  {"predictions": [s_1, ...]}
     OIPv2        {"inputs": [{"name": "dense", "datatype": "FP32", "shape": [2, 5], "data": [...]},
                              {"name": "feature_0.lengths", "datatype": "INT64", "shape": [2], "data": [2, 1]},
@@ -35,7 +35,8 @@ import msgspec
 import numpy as np
 
 import dlrm_criteo
-from dlrm_core import ParsedRequest, RequestParser, error_body, response_body
+from dlrm_forms import RequestParser, error_body, response_body
+from dlrm_request import ParsedRequest
 from dlrm_errors import BadRequest, PayloadTooLarge, RequestError
 
 JSON = "application/json"
@@ -56,7 +57,7 @@ class Reply:
 
 
 class Predictions:
-    """TorchServe's own API (``/predictions/<m>``, gRPC Predictions): dlrm_core's formats."""
+    """TorchServe's own API (``/predictions/<m>``, gRPC Predictions): dlrm_forms's JSON forms."""
 
     def __init__(self, body: Any, parser: RequestParser):
         self.body, self.parser = body, parser

@@ -272,7 +272,8 @@ class _Context:
 
 def bench_handler(handler, cfg, seconds: float) -> list[dict]:
     """Whole handle() per batch, plus the same core stages timed one by one."""
-    from dlrm_core import collate, response_body, scores
+    from dlrm_core import collate, scores
+    from dlrm_forms import response_body
     from dlrm_criteo import CONTENT_TYPE as TSV
     from dlrm_kserve import BINARY_HEADER, open_request
 

@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 # Shipped beside the handler in the archive; TorchServe puts them on the worker's sys.path.
 EXTRA_FILES = ["dlrm_factory.py", "dlrm_core.py", "dlrm_config.py", "dlrm_errors.py", "dlrm_scale.py", "dlrm_kserve.py",
+               "dlrm_request.py", "dlrm_json.py", "dlrm_forms.py",
                "dlrm_criteo.py", "dlrm_cpus.py"]
 
 

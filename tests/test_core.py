@@ -10,7 +10,8 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from conftest import tiny_config
-from dlrm_core import RequestParser, collate, response_body, scores
+from dlrm_core import collate, scores
+from dlrm_forms import RequestParser, response_body
 from helpers import DENSE, body, instance
 
 
@@ -148,7 +149,7 @@ def test_response_body_shape():
 
 def columns(dense, **bags):
     """ParsedRequest.columnar from plain lists: columns([[..5..], [..5..]], feature_0=([2, 1], [3, 4, 5]))."""
-    from dlrm_core import ParsedRequest
+    from dlrm_request import ParsedRequest
 
     idx = {"feature_0": 0, "feature_1": 1, "feature_2": 2}
     return ParsedRequest.columnar(

@@ -240,7 +240,7 @@ def test_grpc_and_in_process_requests_keep_the_predictions_formats(handler):
 def test_model_metadata_describes_a_request_the_parser_takes(config):
     """The inputs the OIP plugin serves (from the archive's oip-metadata.json) build a v2
     request the handler's parser reads: every listed input, with its datatype and shape."""
-    from dlrm_core import RequestParser
+    from dlrm_forms import RequestParser
     from dlrm_kserve import OIPv2, model_metadata
 
     meta = model_metadata(config)

@@ -11,7 +11,8 @@ import yaml
 
 from conftest import ROOT
 from dlrm_config import DLRMConfig
-from dlrm_core import RequestParser, collate, scores
+from dlrm_core import collate, scores
+from dlrm_forms import RequestParser
 from dlrm_factory import DLRMFactory
 from helpers import wait_until
 from tsctl import Server, post

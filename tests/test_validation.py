@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_config
-from dlrm_core import RequestParser, collate
+from dlrm_core import collate
+from dlrm_forms import RequestParser
 from dlrm_errors import RequestError
 from helpers import DENSE, instance
 
