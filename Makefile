@@ -20,7 +20,7 @@ VERIFY ?=
 VERIFY_ARG = $(if $(VERIFY),--verify $(VERIFY))
 CKPT_FILES := $(if $(CHECKPOINT),$(or $(wildcard $(CHECKPOINT)/.metadata $(CHECKPOINT)/*),$(CHECKPOINT)))
 
-.PHONY: help venv plugin image mar serve ready rollout rollback stop test unit integration bench knobs soak faults clean FORCE
+.PHONY: help venv plugin image mar serve ready rollout rollback stop lint test unit integration bench knobs soak faults clean FORCE
 
 # Creates .venv and installs the pinned stack; a no-op once done (see scripts/install.sh).
 venv:  ## create .venv with the pinned stack (a no-op once done)
@@ -99,6 +99,14 @@ image: $(PLUGIN)  ## build the container image deploy/kserve runs (VARIANT=cpu|c
 	@if [ -n "$(PIP_CA)" ]; then cp "$(PIP_CA)" build/docker/ca.pem; else : > build/docker/ca.pem; fi
 	docker build -t $(IMAGE) --build-arg BASE=$(BASE) --build-arg VARIANT=$(VARIANT) \
 	  --build-arg PIP_EXTRA_INDEX_URL=$(PIP_EXTRA_INDEX_URL) .
+
+# Checks before review: ruff's lint over the tree, mypy over the kit (pyproject.toml), and ruff's
+# formatter over the files already formatted (FORMATTED; the rest join as they are reworked).
+FORMATTED := dlrm_request.py dlrm_json.py dlrm_forms.py
+lint: venv  ## ruff (lint, format) and mypy, as CI runs them before the tests
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check $(FORMATTED)
+	$(PY) -m mypy
 
 test: venv $(PLUGIN)  ## all tests: unit and real-TorchServe integration
 	$(PY) -m pytest -q

@@ -61,7 +61,7 @@ class Checkpoint:
     @property
     def tables(self) -> dict[str, tuple[int, int]]:
         """Table name -> (rows, D), in the checkpoint's order (a DCP directory keeps none: natural sort)."""
-        return {k[len(TABLES):-len(".weight")]: tuple(s) for k, (s, _) in self.shapes.items()
+        return {k[len(TABLES):-len(".weight")]: (s[0], s[1]) for k, (s, _) in self.shapes.items()
                 if k.startswith(TABLES) and k.endswith(".weight")}
 
     @property
@@ -74,7 +74,7 @@ class Checkpoint:
     def load(self, keys: dict[str, str]) -> dict[str, torch.Tensor]:
         """``{new_key: tensor}`` for ``keys = {new_key: key}``."""
         if not self.kind.startswith("DCP"):
-            return {new: self._source[old] for new, old in keys.items()}
+            return {new: self._source[old] for new, old in keys.items()}  # type: ignore[misc]  # tensors here
         import torch.distributed.checkpoint as dcp
 
         # Full-size targets, filled in place shard by shard: DCP reshards whatever the ranks wrote.
@@ -411,7 +411,7 @@ def _shape(ckpt: Checkpoint, key: str) -> tuple[int, ...]:
 
 def _mlp(ckpt: Checkpoint, prefix: str) -> list[int]:
     """Output sizes of torchrec's MLP layers ``<prefix>.<i>._linear.weight [out, in]``."""
-    sizes = []
+    sizes: list[int] = []
     while f"{prefix}.{len(sizes)}._linear.weight" in ckpt.shapes:
         sizes.append(ckpt.shapes[f"{prefix}.{len(sizes)}._linear.weight"][0][0])
     if not sizes:
@@ -496,7 +496,10 @@ def verify_archive(mar: str | Path, path: str | Path, tolerance: float = 1e-5,
             raise ConfigError(f"--verify: the archive did not load or score as a worker "
                               f"(exit {run.returncode}):\n{run.stderr[-3000:]}")
         answers = json.loads(answers.read_text())
-    deltas, served_all, trainer_all, labels_all = [], [], [], []  # deltas: (|d|, line, row, served, trainer)
+    deltas: list[tuple] = []  # (|d|, line, row, served, trainer)
+    served_all: list[float] = []
+    trainer_all: list[float] = []
+    labels_all: list[int] = []
     for doc, (status, body) in zip(lines, answers):
         where = f"--verify {path}, line {doc['line']}"
         if status != 200:

@@ -73,7 +73,7 @@ class DLRMConfig:
     dense_shift: float | None = None
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any] | None) -> "DLRMConfig":
+    def from_dict(cls, raw: Mapping[str, Any] | None) -> DLRMConfig:
         """Validate a ``handler:`` mapping; every message names the key and shows a valid value."""
         if not isinstance(raw, Mapping):
             raise ConfigError(
@@ -171,7 +171,7 @@ class DLRMConfig:
         return cls(**values)
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "DLRMConfig":
+    def from_yaml(cls, path: str | Path) -> DLRMConfig:
         """Read the ``handler:`` section of a model-config.yaml file."""
         path = Path(path)
         try:

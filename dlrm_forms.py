@@ -30,8 +30,18 @@ import numpy as np
 
 from dlrm_config import INT64_MAX, DLRMConfig
 from dlrm_errors import BadRequest, PayloadTooLarge, RequestError
-from dlrm_json import FAST_DECODER, FAST_MIN_BYTES, FLOAT32_MAX, KEY_LIST, Recheck, decode, decoded_counts, name_list, show
-from dlrm_request import Context, ParsedRequest, hot_request
+from dlrm_json import (
+    FAST_DECODER,
+    FAST_MIN_BYTES,
+    FLOAT32_MAX,
+    KEY_LIST,
+    Recheck,
+    decode,
+    decoded_counts,
+    name_list,
+    show,
+)
+from dlrm_request import Context, Floats, ParsedRequest, hot_request
 
 _DENSE, _SPARSE = operator.attrgetter("dense"), operator.attrgetter("sparse")
 _KEYS, _VALUES, _LENGTHS = (operator.attrgetter(a) for a in ("keys", "values", "lengths"))
@@ -72,7 +82,9 @@ class RequestParser:
             return out
         if req.instances is not None:
             if any(v is not None for v in row_fields):
-                raise BadRequest("instances: put every field inside the instances; no other top-level field is allowed beside it")
+                raise BadRequest(
+                    "instances: put every field inside the instances; no other top-level field is allowed beside it"
+                )
             instances, wrapped = req.instances, True
             if not instances:
                 raise BadRequest("instances: expected a non-empty array of instances, got []")
@@ -95,16 +107,25 @@ class RequestParser:
             r = rows[0]
             n_ids = shared_ids + (len(r.sparse.values) if r.sparse is not None else len(r.id_list_values or ()))
         else:
-            n_ids = (shared_ids * len(rows) + sum(map(len, map(_VALUES, filter(None, map(_SPARSE, rows)))))
-                     + sum(map(len, filter(None, map(_ID_VALUES, rows)))))
+            n_ids = (
+                shared_ids * len(rows)
+                + sum(map(len, map(_VALUES, filter(None, map(_SPARSE, rows)))))
+                + sum(map(len, filter(None, map(_ID_VALUES, rows))))
+            )
         if n_ids > c.max_ids_per_request:
             raise PayloadTooLarge(
                 f"sparse.values: at most {c.max_ids_per_request} ids per request "
                 f"(handler.max_ids_per_request), got {n_ids}"
             )
 
-    def _rows(self, rows: Sequence[Any], name: str, shared_dense: Sequence[float] | None,
-              shared_features: Sequence[int], candidate: bool) -> ParsedRequest:
+    def _rows(
+        self,
+        rows: Sequence[Any],
+        name: str,
+        shared_dense: Floats | None,
+        shared_features: Sequence[int],
+        candidate: bool,
+    ) -> ParsedRequest:
         """The rows of ``instances`` or ``candidates`` (``name``; "" for a bare instance).
         ``shared_dense``: the context's dense, which the rows then must not send;
         ``shared_features``: the context's features, which the rows must not send."""
@@ -117,12 +138,21 @@ class RequestParser:
         value_start, values_field = [], []
         for row, inst in enumerate(rows):
             value_start.append(len(out.values))
-            values_field.append(self._add_row(inst, row, f"{name}[{row}]." if name else "", out,
-                                              shared_dense is not None, shared_features, candidate))
+            values_field.append(
+                self._add_row(
+                    inst,
+                    row,
+                    f"{name}[{row}]." if name else "",
+                    out,
+                    shared_dense is not None,
+                    shared_features,
+                    candidate,
+                )
+            )
 
         def id_field(pos: int) -> str:
             row = bisect.bisect_right(value_start, pos) - 1
-            return f"{name + '[%d].' % row if name else ''}{values_field[row]}[{pos - value_start[row]}]"
+            return f"{f'{name}[{row}].' if name else ''}{values_field[row]}[{pos - value_start[row]}]"
 
         out.id_field = id_field
         return out
@@ -153,8 +183,9 @@ class RequestParser:
                 if None in dense_lists or set(map(len, dense_lists)) != {c.num_dense_features}:
                     return None
                 with np.errstate(over="ignore"):  # past float32: inf, which _check_ranges refuses
-                    dense = np.fromiter(itertools.chain.from_iterable(dense_lists), np.float32,
-                                        n * c.num_dense_features)
+                    dense = np.fromiter(
+                        itertools.chain.from_iterable(dense_lists), np.float32, n * c.num_dense_features
+                    )
             alike = all(map(lengths_lists[0].__eq__, lengths_lists))  # e.g. single-hot
             if not alike:
                 lengths_lists = list(map(decoded_counts, lengths_lists))
@@ -164,8 +195,11 @@ class RequestParser:
                     return None
                 if k and set(first) == {1}:  # id j of a row is its key j's
                     values = np.fromiter(itertools.chain.from_iterable(values_lists), np.int64, n * k)
-                    return hot_request(n, dense, [(features, values.reshape(n, k).T,
-                                                    lambda j, row: f"{name}[{row}].sparse.values[{j}]")])
+                    return hot_request(
+                        n,
+                        dense,
+                        [(features, values.reshape(n, k).T, lambda j, row: f"{name}[{row}].sparse.values[{j}]")],
+                    )
             counts = np.fromiter(map(len, values_lists), np.int64, n)
             if alike:
                 lengths = np.tile(np.array(first, dtype=np.int64), n)
@@ -184,8 +218,15 @@ class RequestParser:
             row = bisect.bisect_right(value_start, pos) - 1
             return f"{name}[{row}].sparse.values[{pos - value_start[row]}]"
 
-        return ParsedRequest(n, dense, values, np.tile(np.array(features, dtype=np.int64), n), lengths,
-                             np.repeat(np.arange(n, dtype=np.int64), k), id_field)
+        return ParsedRequest(
+            n,
+            dense,
+            values,
+            np.tile(np.array(features, dtype=np.int64), n),
+            lengths,
+            np.repeat(np.arange(n, dtype=np.int64), k),
+            id_field,
+        )
 
     def _ranking(self, req: Any, row_fields: tuple) -> ParsedRequest:
         """``{"context": {...}, "candidates": [{...}, ...]}``: one row per candidate, each the
@@ -193,15 +234,21 @@ class RequestParser:
         candidates [{sparse: {item: [3]}}, {sparse: {item: [5]}}] are the rows
         {dense: d, user: [7], item: [3]} and {dense: d, user: [7], item: [5]}."""
         if req.instances is not None or any(v is not None for v in row_fields):
-            raise BadRequest("context: put every field inside context and candidates; no other top-level field "
-                             "is allowed beside them")
+            raise BadRequest(
+                "context: put every field inside context and candidates; no other top-level field "
+                "is allowed beside them"
+            )
         candidates = req.candidates
         if req.context is None:
-            raise BadRequest("context: required field is missing (the features all candidates share, "
-                             "e.g. {\"dense\": [...], \"sparse\": {...}})")
+            raise BadRequest(
+                "context: required field is missing (the features all candidates share, "
+                'e.g. {"dense": [...], "sparse": {...}})'
+            )
         if candidates is None:
-            raise BadRequest("candidates: required field is missing (one object per item to score, "
-                             "e.g. [{\"sparse\": {...}}, ...], or columns: {...})")
+            raise BadRequest(
+                "candidates: required field is missing (one object per item to score, "
+                'e.g. [{"sparse": {...}}, ...], or columns: {...})'
+            )
         if not candidates:
             raise BadRequest("candidates: expected a non-empty array of candidates, got []")
         ctx = self._context(req.context)
@@ -209,7 +256,9 @@ class RequestParser:
         own = self._rows(candidates, "candidates", ctx.dense, ctx.features, candidate=True)
         if ctx.features and own.n > 1 and (own.onehot is not None or isinstance(own.seg_feature, np.ndarray)):
             # the common path skipped this
-            sent = own.onehot[0] if own.onehot is not None else own.seg_feature[: len(own.seg_feature) // own.n].tolist()
+            sent = (
+                own.onehot[0] if own.onehot is not None else own.seg_feature[: len(own.seg_feature) // own.n].tolist()
+            )
             if set(ctx.features) & set(sent):
                 raise BadRequest(self._clash(candidates[0], 0, ctx.features))
         return ctx.join(own)
@@ -223,8 +272,9 @@ class RequestParser:
         "f1": {"values": [7, 8]}}} is the rows {dense: d0, f0: [3, 4], f1: [7]} and
         {dense: d1, f0: [5], f1: [8]}."""
         if req.instances is not None or req.candidates is not None or any(v is not None for v in row_fields):
-            raise BadRequest("columns: send columns alone or with a context; no other top-level field is allowed "
-                             "beside it")
+            raise BadRequest(
+                "columns: send columns alone or with a context; no other top-level field is allowed beside it"
+            )
         c, cols = self.config, req.columns
         ctx = self._context(req.context) if req.context is not None else Context()
         sparse = cols.sparse or {}
@@ -232,24 +282,34 @@ class RequestParser:
             n, n_field = len(cols.dense), "columns.dense"
         elif sparse:
             key, bag = next(iter(sparse.items()))
-            n, n_field = ((len(bag.values), f"columns.sparse.{key}.values") if bag.lengths is None
-                          else (len(bag.lengths), f"columns.sparse.{key}.lengths"))
+            n, n_field = (
+                (len(bag.values), f"columns.sparse.{key}.values")
+                if bag.lengths is None
+                else (len(bag.lengths), f"columns.sparse.{key}.lengths")
+            )
         else:
-            raise BadRequest('columns: expected a dense and/or a sparse column, e.g. {"dense": [[...], ...], '
-                             '"sparse": {"<feature>": {"values": [...], "lengths": [...]}}}')
+            raise BadRequest(
+                'columns: expected a dense and/or a sparse column, e.g. {"dense": [[...], ...], '
+                '"sparse": {"<feature>": {"values": [...], "lengths": [...]}}}'
+            )
         if n == 0:
             raise BadRequest(f"{n_field}: expected at least one row, got []")
         if n > c.max_instances_per_request:
-            raise PayloadTooLarge(f"{n_field}: at most {c.max_instances_per_request} rows per request "
-                                  f"(handler.max_instances_per_request), got {n}")
+            raise PayloadTooLarge(
+                f"{n_field}: at most {c.max_instances_per_request} rows per request "
+                f"(handler.max_instances_per_request), got {n}"
+            )
         n_ids = sum(len(bag.values) for bag in sparse.values()) + n * len(ctx.values)
         if n_ids > c.max_ids_per_request:
-            raise PayloadTooLarge(f"columns.sparse: at most {c.max_ids_per_request} ids per request "
-                                  f"(handler.max_ids_per_request), got {n_ids}")
+            raise PayloadTooLarge(
+                f"columns.sparse: at most {c.max_ids_per_request} ids per request "
+                f"(handler.max_ids_per_request), got {n_ids}"
+            )
         if cols.dense is not None:
             if ctx.dense is not None:
-                raise BadRequest("columns.dense: context.dense is given already; send dense once in the context "
-                                 "or as a column")
+                raise BadRequest(
+                    "columns.dense: context.dense is given already; send dense once in the context or as a column"
+                )
             width = c.num_dense_features
             if set(map(len, cols.dense)) != {width}:
                 j = next(j for j, row in enumerate(cols.dense) if len(row) != width)
@@ -259,21 +319,28 @@ class RequestParser:
         elif ctx.dense is not None:
             dense = np.zeros((n, 0), dtype=np.float32)  # the context's, added by join
         else:
-            raise BadRequest("columns.dense: required field is missing (one array of "
-                             f"{c.num_dense_features} numbers per row, or once in context.dense)")
+            raise BadRequest(
+                "columns.dense: required field is missing (one array of "
+                f"{c.num_dense_features} numbers per row, or once in context.dense)"
+            )
         feats, names, value_lists, length_lists = [], [], [], []
         for key, bag in sparse.items():
             f = self.feature_index.get(key)
             where = f"columns.sparse.{key}"
             if f is None:
-                raise BadRequest(f"columns.sparse: unknown feature {show(key)}; expected one of "
-                                 f"{name_list(c.sparse_features, 32)}")
+                raise BadRequest(
+                    f"columns.sparse: unknown feature {show(key)}; expected one of {name_list(c.sparse_features, 32)}"
+                )
             if f in ctx.features:
-                raise BadRequest(f"{where}: feature {show(key)} is also in context.sparse.keys; send each feature "
-                                 f"in the context or as a column, not both")
+                raise BadRequest(
+                    f"{where}: feature {show(key)} is also in context.sparse.keys; send each feature "
+                    f"in the context or as a column, not both"
+                )
             if bag.lengths is None and len(bag.values) != n:
-                raise BadRequest(f"{where}.values: expected one id per row ({n}) when {where}.lengths is left "
-                                 f"out, got {len(bag.values)}")
+                raise BadRequest(
+                    f"{where}.values: expected one id per row ({n}) when {where}.lengths is left "
+                    f"out, got {len(bag.values)}"
+                )
             if bag.lengths is not None and len(bag.lengths) != n:
                 raise BadRequest(f"{where}.lengths: expected one length per row ({n}), got {len(bag.lengths)}")
             feats.append(f)
@@ -285,31 +352,48 @@ class RequestParser:
         values = np.fromiter(itertools.chain.from_iterable(value_lists), np.int64, sum(counts))
         single_hot = all(lengths is None for lengths in length_lists)
         if not single_hot:
-            lengths = np.fromiter(itertools.chain.from_iterable(
-                itertools.repeat(1, n) if x is None else x for x in length_lists), np.int64, k * n)
+            lengths = np.fromiter(
+                itertools.chain.from_iterable(itertools.repeat(1, n) if x is None else x for x in length_lists),
+                np.int64,
+                k * n,
+            )
             sums = lengths.reshape(k, n).sum(1)
             if (sums != counts).any():
                 j = int(np.argmax(sums != counts))
-                raise BadRequest(f"{names[j]}.values: expected sum({names[j]}.lengths) = {int(sums[j])} ids, got "
-                                 f"{counts[j]}")
+                raise BadRequest(
+                    f"{names[j]}.values: expected sum({names[j]}.lengths) = {int(sums[j])} ids, got {counts[j]}"
+                )
             single_hot = bool((lengths == 1).all())
         dense = dense.reshape(-1)
         if single_hot:  # one id per row: the id of row r is at r
-            return ctx.join(hot_request(n, dense, [(feats, values.reshape(k, n),
-                                                     lambda j, row: f"{names[j]}.values[{row}]")]))
+            return ctx.join(
+                hot_request(n, dense, [(feats, values.reshape(k, n), lambda j, row: f"{names[j]}.values[{row}]")])
+            )
         starts = list(itertools.accumulate(counts, initial=0))
 
         def id_field(pos: int) -> str:
             j = bisect.bisect_right(starts, pos) - 1
             return f"{names[j]}.values[{pos - starts[j]}]"
 
-        return ctx.join(ParsedRequest(n, dense, values, np.repeat(np.array(feats, dtype=np.int64), n), lengths,
-                                      np.tile(np.arange(n, dtype=np.int64), k), id_field))
+        return ctx.join(
+            ParsedRequest(
+                n,
+                dense,
+                values,
+                np.repeat(np.array(feats, dtype=np.int64), n),
+                lengths,
+                np.tile(np.arange(n, dtype=np.int64), k),
+                id_field,
+            )
+        )
 
-    def _context(self, ctx: Any) -> "Context":
+    def _context(self, ctx: Any) -> Context:
         """The ``context`` of the ranking or columns form, checked."""
-        for field, value in (("float_features", ctx.float_features), ("id_list_features.lengths", ctx.id_list_lengths),
-                             ("id_list_features.values", ctx.id_list_values)):
+        for field, value in (
+            ("float_features", ctx.float_features),
+            ("id_list_features.lengths", ctx.id_list_lengths),
+            ("id_list_features.values", ctx.id_list_values),
+        ):
             if value is not None:
                 raise BadRequest(f"context.{field}: the context takes dense and sparse")
         if ctx.dense is not None and len(ctx.dense) != self.config.num_dense_features:
@@ -319,45 +403,68 @@ class RequestParser:
         keys, values, lengths = ctx.sparse.keys, ctx.sparse.values, decoded_counts(ctx.sparse.lengths)
         features = self._features(keys, "context.")
         if len(lengths) != len(features):
-            raise BadRequest(f"context.sparse.lengths: expected one length per key ({len(features)}), got {len(lengths)}")
+            raise BadRequest(
+                f"context.sparse.lengths: expected one length per key ({len(features)}), got {len(lengths)}"
+            )
         if sum(lengths) != len(values):
-            raise BadRequest(f"context.sparse.values: expected sum(context.sparse.lengths) = {sum(lengths)} ids, "
-                             f"got {len(values)}")
+            raise BadRequest(
+                f"context.sparse.values: expected sum(context.sparse.lengths) = {sum(lengths)} ids, got {len(values)}"
+            )
         return Context(ctx.dense, features, values, lengths)
 
     def _clash(self, cand: Any, row: int, shared: Sequence[int]) -> str:
         keys = self._key_list(cand.sparse.keys, f"candidates[{row}].")
         j = next(j for j, key in enumerate(keys) if self.feature_index[key] in shared)
-        return (f"candidates[{row}].sparse.keys[{j}]: feature {show(keys[j])} is also in context.sparse.keys; "
-                f"send each feature in the context or per candidate, not both")
+        return (
+            f"candidates[{row}].sparse.keys[{j}]: feature {show(keys[j])} is also in context.sparse.keys; "
+            f"send each feature in the context or per candidate, not both"
+        )
 
-    def _add_row(self, inst: Any, row: int, p: str, out: ParsedRequest, shared_dense: bool,
-                 shared_features: Sequence[int], candidate: bool) -> str:
+    def _add_row(
+        self,
+        inst: Any,
+        row: int,
+        p: str,
+        out: ParsedRequest,
+        shared_dense: bool,
+        shared_features: Sequence[int],
+        candidate: bool,
+    ) -> str:
         """Append one instance's (or candidate's) row to ``out``; returns the name of its ids' field."""
         c = self.config
-        if candidate and (inst.float_features is not None or inst.id_list_lengths is not None
-                          or inst.id_list_values is not None):
+        if candidate and (
+            inst.float_features is not None or inst.id_list_lengths is not None or inst.id_list_values is not None
+        ):
             raise BadRequest(f"{p}float_features: the ranking form takes dense and sparse")
         if candidate or inst.sparse is not None or inst.dense is not None:
             if inst.float_features is not None or inst.id_list_lengths is not None or inst.id_list_values is not None:
-                raise BadRequest(f"{p}dense: use either dense + sparse or float_features + id_list_features.*, not both")
+                raise BadRequest(
+                    f"{p}dense: use either dense + sparse or float_features + id_list_features.*, not both"
+                )
             dense, dense_field = inst.dense, "dense"
             if shared_dense and dense is not None:
-                raise BadRequest(f"{p}dense: context.dense is given already; send dense once in the context "
-                                 f"or in every candidate")
+                raise BadRequest(
+                    f"{p}dense: context.dense is given already; send dense once in the context or in every candidate"
+                )
             if dense is None and not shared_dense:
-                raise BadRequest(f"{p}dense: required field is missing" + (" (send it in every candidate or once "
-                                                                          "in the context)" if candidate else ""))
+                raise BadRequest(
+                    f"{p}dense: required field is missing"
+                    + (" (send it in every candidate or once in the context)" if candidate else "")
+                )
             values_field, lengths_field = "sparse.values", "sparse.lengths"
             if inst.sparse is None:
                 if not candidate:
-                    raise BadRequest(f"{p}sparse: required field is missing (expected {{\"keys\": [...], \"values\": [...], \"lengths\": [...]}})")
+                    raise BadRequest(
+                        f'{p}sparse: required field is missing (expected {{"keys": [...], "values": [...], "lengths": [...]}})'
+                    )
                 keys, values, lengths, features = [], [], [], []
             else:
                 keys, values, lengths = inst.sparse.keys, inst.sparse.values, decoded_counts(inst.sparse.lengths)
                 features = self._features(keys, p)
                 if len(lengths) != len(features):
-                    raise BadRequest(f"{p}sparse.lengths: expected one length per key ({len(features)}), got {len(lengths)}")
+                    raise BadRequest(
+                        f"{p}sparse.lengths: expected one length per key ({len(features)}), got {len(lengths)}"
+                    )
                 if shared_features and not set(features).isdisjoint(shared_features):
                     raise BadRequest(self._clash(inst, row, shared_features))
         else:

@@ -36,39 +36,53 @@ _Key = Annotated[str, msgspec.Meta(max_length=MAX_KEY_CHARS)]
 def _schema(Float: Any, Count: Any, Keys: Any, Bags: Any, Lengths: Any = None) -> type:
     """The request type: a row's fields, plus ``instances``, ``context`` + ``candidates``, or
     ``columns`` (with or without ``context``)."""
+
     def struct(name, fields, bases=()):
         return msgspec.defstruct(name, fields, bases=bases, forbid_unknown_fields=True)
 
     sparse = struct("Sparse", [("keys", Keys), ("values", list[Count]), ("lengths", Lengths or list[Count])])
     columns = struct("Columns", [("dense", list[list[Float]] | None, None), ("sparse", Bags | None, None)])
-    instance = struct("Instance", [
-        ("dense", list[Float] | None, None),
-        ("sparse", sparse | None, None),
-        ("float_features", list[Float] | None, None),
-        ("id_list_lengths", list[Count] | None, msgspec.field(default=None, name="id_list_features.lengths")),
-        ("id_list_values", list[Count] | None, msgspec.field(default=None, name="id_list_features.values")),
-    ])
-    return struct("Request", [("instances", list[instance] | None, None), ("context", instance | None, None),
-                              ("candidates", list[instance] | None, None), ("columns", columns | None, None)],
-                  bases=(instance,))
+    instance = struct(
+        "Instance",
+        [
+            ("dense", list[Float] | None, None),
+            ("sparse", sparse | None, None),
+            ("float_features", list[Float] | None, None),
+            ("id_list_lengths", list[Count] | None, msgspec.field(default=None, name="id_list_features.lengths")),
+            ("id_list_values", list[Count] | None, msgspec.field(default=None, name="id_list_features.values")),
+        ],
+    )
+    return struct(
+        "Request",
+        [
+            ("instances", list[instance] | None, None),
+            ("context", instance | None, None),
+            ("candidates", list[instance] | None, None),
+            ("columns", columns | None, None),
+        ],
+        bases=(instance,),
+    )
 
 
 def _bag(Count: Any) -> type:
     """One feature's column: ``lengths`` (one per row; left out: one id per row) and ``values``."""
-    return msgspec.defstruct("Bag", [("values", list[Count]), ("lengths", list[Count] | None, None)],
-                             forbid_unknown_fields=True)
+    return msgspec.defstruct(
+        "Bag", [("values", list[Count]), ("lengths", list[Count] | None, None)], forbid_unknown_fields=True
+    )
 
 
 _Bag = _bag(_Count)
 _Request = _schema(_Float32, _Count, list[_Key], dict[_Key, _Bag])
-_DECODER = msgspec.json.Decoder(_Request)
+_DECODER: msgspec.json.Decoder[Any] = msgspec.json.Decoder(_Request)
 # The hot path's schema: the same fields without the bounds (the parser checks ranges on the
 # decoded arrays) and with each key list and lengths list kept as raw JSON (a key list is
 # decoded and validated once per distinct list; rows whose lengths are byte-for-byte alike,
 # as single-hot rows are, decode one of them): ~35% less decoding for a 128-row request. A
 # request that any check refuses is parsed again with the strict schema, so every message is
 # the strict one.
-FAST_DECODER = msgspec.json.Decoder(_schema(float, int, msgspec.Raw, dict[str, _bag(int)], msgspec.Raw))
+FAST_DECODER: msgspec.json.Decoder[Any] = msgspec.json.Decoder(
+    _schema(float, int, msgspec.Raw, dict[str, _bag(int)], msgspec.Raw)
+)
 _COUNTS = msgspec.json.Decoder(list[int])
 FAST_MIN_BYTES = 4096
 KEY_LIST = msgspec.json.Decoder(list[_Key])
@@ -83,8 +97,8 @@ class Recheck(BadRequest):
     """A value the fast schema let through (e.g. a negative id): parse with the strict one."""
 
 
-
-def decode(body: Any) -> _Request:
+def decode(body: Any) -> Any:
+    """A body as TorchServe hands it over -> the strict schema's Request; raises BadRequest."""
     if body is None:
         raise BadRequest("body: expected a JSON object, got an empty body")
     if isinstance(body, (bytes, bytearray, memoryview)):
@@ -180,7 +194,9 @@ def _explain(msg: str, whole: Any, prefix: str = "") -> str:
         return f"{where + '.' if where else ''}{name}: required field is missing"
     if text.startswith("Object contains unknown field"):
         name = text.split("`")[1]
-        return f"{where + '.' if where else ''}{name[:MAX_KEY_CHARS]}: unknown field; expected {_expected_fields(where)}"
+        return (
+            f"{where + '.' if where else ''}{name[:MAX_KEY_CHARS]}: unknown field; expected {_expected_fields(where)}"
+        )
     for rule, ours in _RULES:
         m = rule.match(text)
         if m:

@@ -10,11 +10,16 @@ from __future__ import annotations
 import bisect
 import itertools
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from dlrm_errors import BadRequest
+
+# A column of floats or ids: a list while a parser appends to it, an array once laid out in
+# numpy (an ndarray is no typing.Sequence, and a union of the two would allow neither's methods).
+Floats = Any
+Ints = Any
 
 
 @dataclass(slots=True)
@@ -35,17 +40,17 @@ class ParsedRequest:
     """
 
     n: int
-    dense: Sequence[float]  # n * F_dense floats, row-major
-    values: Sequence[int] | None
-    seg_feature: Sequence[int] | None
-    seg_length: Sequence[int] | None
-    seg_row: Sequence[int] | None
+    dense: Floats  # n * F_dense floats, row-major
+    values: Ints | None
+    seg_feature: Ints | None
+    seg_length: Ints | None
+    seg_row: Ints | None
     # For error messages only: the position of an id in ``values`` -> the field that holds it,
     # e.g. "instances[1].sparse.values[0]".
     id_field: Callable[[int], str] = str
     onehot: tuple[tuple[int, ...], np.ndarray] | None = None
 
-    def segments(self) -> "ParsedRequest":
+    def segments(self) -> ParsedRequest:
         """Fill in the segments of a single-hot request that left them out; returns self."""
         if self.values is None:
             features, ids = self.onehot
@@ -57,26 +62,33 @@ class ParsedRequest:
         return self
 
     @classmethod
-    def single_hot(cls, dense: np.ndarray, ids: Mapping[int, np.ndarray], fields: Mapping[int, str]) -> "ParsedRequest":
+    def single_hot(cls, dense: np.ndarray, ids: Mapping[int, np.ndarray], fields: Mapping[int, str]) -> ParsedRequest:
         """n rows with one id per row of each feature sent: ``dense`` ``[n, F_dense]``,
         ``ids[f]`` ``[n]`` (any integer dtype), ``fields[f]`` its name for messages. Raises
         BadRequest naming a negative id, e.g. ``feature_1[3]: expected a non-negative integer``."""
         n, feats = int(dense.shape[0]), list(ids)
-        matrix = (np.stack([ids[f] for f in feats]).astype(np.int64, copy=False) if feats
-                  else np.zeros((0, n), dtype=np.int64))
+        matrix = (
+            np.stack([ids[f] for f in feats]).astype(np.int64, copy=False)
+            if feats
+            else np.zeros((0, n), dtype=np.int64)
+        )
         return cls.single_hot_matrix(dense, feats, matrix, [fields[f] for f in feats])
 
     @classmethod
-    def single_hot_matrix(cls, dense: np.ndarray, features: Sequence[int], ids: np.ndarray,
-                          names: Sequence[str]) -> "ParsedRequest":
+    def single_hot_matrix(
+        cls, dense: np.ndarray, features: Sequence[int], ids: np.ndarray, names: Sequence[str]
+    ) -> ParsedRequest:
         """single_hot's rows with the ids already in one int64 ``[k, n]`` array: row j holds
         the ids of features[j], named ``names[j]`` in messages (features in any order)."""
         n = int(dense.shape[0])
         if ids.size and int(ids.min()) < 0:
             j, row = divmod(int(np.argmax(ids.reshape(-1) < 0)), n)
             raise BadRequest(f"{names[j]}[{row}]: expected a non-negative integer, got {int(ids[j, row])}")
-        return hot_request(n, np.ascontiguousarray(dense, dtype=np.float32).reshape(-1),
-                            [(features, ids, lambda j, row: f"{names[j]}[{row}]")])
+        return hot_request(
+            n,
+            np.ascontiguousarray(dense, dtype=np.float32).reshape(-1),
+            [(features, ids, lambda j, row: f"{names[j]}[{row}]")],
+        )
 
     @classmethod
     def columnar(
@@ -84,7 +96,7 @@ class ParsedRequest:
         dense: np.ndarray,
         bags: Mapping[int, tuple[np.ndarray, np.ndarray]],
         fields: Mapping[int, tuple[str, str]],
-    ) -> "ParsedRequest":
+    ) -> ParsedRequest:
         """n rows given feature by feature: ``dense`` float32 ``[n, F_dense]``; ``bags[f]`` =
         (lengths ``[n]``, values ``[sum(lengths)]``), int64, for each feature sent (a feature
         left out is an empty bag in every row); ``fields[f]`` = the request's names of that
@@ -103,16 +115,21 @@ class ParsedRequest:
                 raise BadRequest(f"{lengths_field}: expected one length per row ({n}), got shape {list(lengths.shape)}")
             shortest = int(lengths.min()) if n else 0
             if shortest < 0:
-                raise BadRequest(f"{lengths_field}[{int(np.argmax(lengths < 0))}]: expected a non-negative integer, "
-                                 f"got {int(lengths[lengths < 0][0])}")
+                raise BadRequest(
+                    f"{lengths_field}[{int(np.argmax(lengths < 0))}]: expected a non-negative integer, "
+                    f"got {int(lengths[lengths < 0][0])}"
+                )
             total = int(lengths.sum())
             single_hot = single_hot and shortest == 1 and total == n  # then every length is 1
             if values.shape != (total,):
-                raise BadRequest(f"{values_field}: expected sum({lengths_field}) = {total} ids, got shape "
-                                 f"{list(values.shape)}")
+                raise BadRequest(
+                    f"{values_field}: expected sum({lengths_field}) = {total} ids, got shape {list(values.shape)}"
+                )
             if total and int(values.min()) < 0:
-                raise BadRequest(f"{values_field}[{int(np.argmax(values < 0))}]: expected a non-negative integer, "
-                                 f"got {int(values[values < 0][0])}")
+                raise BadRequest(
+                    f"{values_field}[{int(np.argmax(values < 0))}]: expected a non-negative integer, "
+                    f"got {int(values[values < 0][0])}"
+                )
         if single_hot:
             return cls.single_hot(dense, {f: bags[f][1] for f in feats}, {f: fields[f][1] for f in feats})
         starts = list(itertools.accumulate((len(bags[f][1]) for f in feats), initial=0))
@@ -137,10 +154,10 @@ class ParsedRequest:
 class Context:
     """The features every row of a ranking or columns request shares, sent once."""
 
-    dense: Sequence[float] | None = None
+    dense: Floats | None = None
     features: Sequence[int] = ()
-    values: Sequence[int] = ()
-    lengths: Sequence[int] = ()
+    values: Ints = ()
+    lengths: Ints = ()
 
     def join(self, own: ParsedRequest) -> ParsedRequest:
         """``own``'s rows, each with the context's dense (when ``own`` has none) and sparse
@@ -148,12 +165,14 @@ class Context:
         n, k = own.n, len(self.features)
         dense = own.dense if self.dense is None else self.dense_rows(n)
         if not k:
-            return ParsedRequest(n, dense, own.values, own.seg_feature, own.seg_length, own.seg_row, own.id_field,
-                                 own.onehot)
+            return ParsedRequest(
+                n, dense, own.values, own.seg_feature, own.seg_length, own.seg_row, own.id_field, own.onehot
+            )
         if own.onehot is not None and self.single_hot():
             own_features, own_ids = own.onehot
-            return hot_request(n, dense, [(own_features, own_ids, lambda j, row: own.id_field(j * n + row)),
-                                           self.part()])
+            return hot_request(
+                n, dense, [(own_features, own_ids, lambda j, row: own.id_field(j * n + row)), self.part()]
+            )
         own.segments()
         n_ctx, n_own = len(self.values), len(own.values)
 
@@ -163,10 +182,17 @@ class Context:
             return f"context.sparse.values[{(pos - n_own) % n_ctx}]"
 
         return ParsedRequest(
-            n, dense,
-            np.concatenate([np.asarray(own.values, dtype=np.int64), np.tile(np.asarray(self.values, dtype=np.int64), n)]),
-            np.concatenate([np.asarray(own.seg_feature, dtype=np.int64), np.tile(np.array(self.features, dtype=np.int64), n)]),
-            np.concatenate([np.asarray(own.seg_length, dtype=np.int64), np.tile(np.asarray(self.lengths, dtype=np.int64), n)]),
+            n,
+            dense,
+            np.concatenate(
+                [np.asarray(own.values, dtype=np.int64), np.tile(np.asarray(self.values, dtype=np.int64), n)]
+            ),
+            np.concatenate(
+                [np.asarray(own.seg_feature, dtype=np.int64), np.tile(np.array(self.features, dtype=np.int64), n)]
+            ),
+            np.concatenate(
+                [np.asarray(own.seg_length, dtype=np.int64), np.tile(np.asarray(self.lengths, dtype=np.int64), n)]
+            ),
             np.concatenate([np.asarray(own.seg_row, dtype=np.int64), np.repeat(np.arange(n, dtype=np.int64), k)]),
             id_field,
         )
@@ -180,11 +206,10 @@ class Context:
 
     def part(self) -> tuple:
         """The context as a part of hot_request (single-hot: id j is key j's)."""
-        return (self.features, np.asarray(self.values, dtype=np.int64),
-                lambda j, row: f"context.sparse.values[{j}]")
+        return (self.features, np.asarray(self.values, dtype=np.int64), lambda j, row: f"context.sparse.values[{j}]")
 
 
-def hot_request(n: int, dense: Sequence[float], parts: Sequence[tuple]) -> ParsedRequest:
+def hot_request(n: int, dense: Floats, parts: Sequence[tuple]) -> ParsedRequest:
     """n single-hot rows from parts (features, ids, field): ids ``[k, n]``, or ``[k]`` when
     every row has the same id; ``field(j, row)`` names the field of the id of features[j] in
     that row. The ParsedRequest's segments are left to ParsedRequest.segments(); its id_field

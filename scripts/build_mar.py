@@ -180,6 +180,7 @@ def fit_dense_shift(files: list[str], config: str, out: str) -> float:
 
     import dlrm_criteo
     from dlrm_config import DLRMConfig
+    from dlrm_errors import ConfigError
 
     shifts = {}
     for path in files:
@@ -202,7 +203,7 @@ def fit_dense_shift(files: list[str], config: str, out: str) -> float:
     for key, value in (("raw_input", "criteo_tsv"), ("dense_shift", str(shift)), *fold):
         pattern = re.compile(rf"^(\s+){key}:.*$", re.M)
         if pattern.search(text):
-            text = pattern.sub(lambda m: f"{m.group(1)}{key}: {value}", text, count=1)
+            text = pattern.sub(lambda m, key=key, value=value: f"{m.group(1)}{key}: {value}", text, count=1)
         else:
             m = re.search(r"^handler:[^\n]*\n(\s+)", text, re.M)
             if not m:

@@ -10,7 +10,6 @@ import json
 import random
 import subprocess
 import sys
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np

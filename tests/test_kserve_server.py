@@ -10,7 +10,6 @@ import asyncio
 import json
 import subprocess
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -103,7 +102,10 @@ def rest(srv, path: str, body: bytes, headers=None):
     return status, raw, {k.lower(): v for k, v in hdrs.items()}
 
 
-def triton(srv, binary: bool, rows=DENSE_ROWS, f0=(np.array([2, 1]), np.array([3, 4, 5]))):
+F0 = (np.array([2, 1]), np.array([3, 4, 5]))  # feature_0's lengths and values of the two rows
+
+
+def triton(srv, binary: bool, rows=DENSE_ROWS, f0=F0):
     """tritonclient.http: binary inputs and outputs by default, JSON with binary=False."""
     import tritonclient.http as httpclient
 
