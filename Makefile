@@ -20,7 +20,7 @@ VERIFY ?=
 VERIFY_ARG = $(if $(VERIFY),--verify $(VERIFY))
 CKPT_FILES := $(if $(CHECKPOINT),$(or $(wildcard $(CHECKPOINT)/.metadata $(CHECKPOINT)/*),$(CHECKPOINT)))
 
-.PHONY: help venv plugin image mar serve ready rollout rollback stop lint test unit integration bench knobs soak faults clean FORCE
+.PHONY: help venv plugin image mar serve ready rollout rollback stop lint fuzz test unit integration bench knobs soak faults clean FORCE
 
 # Creates .venv and installs the pinned stack; a no-op once done (see scripts/install.sh).
 venv:  ## create .venv with the pinned stack (a no-op once done)
@@ -102,11 +102,17 @@ image: $(PLUGIN)  ## build the container image deploy/kserve runs (VARIANT=cpu|c
 
 # Checks before review: ruff's lint over the tree, mypy over the kit (pyproject.toml), and ruff's
 # formatter over the files already formatted (FORMATTED; the rest join as they are reworked).
-FORMATTED := dlrm_request.py dlrm_json.py dlrm_forms.py
+FORMATTED := dlrm_request.py dlrm_json.py dlrm_forms.py scripts/fuzz.py tests/test_fuzz.py
 lint: venv  ## ruff (lint, format) and mypy, as CI runs them before the tests
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check $(FORMATTED)
 	$(PY) -m mypy
+
+# Coverage-guided fuzzing of the network-facing parsers (scripts/fuzz.py; make test runs a short
+# seeded pass): every target for FUZZ_MINUTES each, figures to results/fuzz.{json,md}.
+FUZZ_MINUTES ?= 13
+fuzz: venv  ## fuzz the request parsers, FUZZ_MINUTES per target (results/fuzz.*), ~1 hour
+	nice -n 15 $(PY) scripts/fuzz.py campaign --minutes $(FUZZ_MINUTES)
 
 test: venv $(PLUGIN)  ## all tests: unit and real-TorchServe integration
 	$(PY) -m pytest -q

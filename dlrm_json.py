@@ -193,7 +193,9 @@ def _explain(msg: str, whole: Any, prefix: str = "") -> str:
         name = text.split("`")[1]
         return f"{where + '.' if where else ''}{name}: required field is missing"
     if text.startswith("Object contains unknown field"):
-        name = text.split("`")[1]
+        name = text[text.index("`") + 1 : text.rindex("`")]  # the whole name, backticks and all
+        if not name:  # the empty key: say so where it sits (found by fuzzing: tests/fuzz/json/)
+            return f'{where or "body"}: unknown field "" (an empty name); expected {_expected_fields(where)}'
         return (
             f"{where + '.' if where else ''}{name[:MAX_KEY_CHARS]}: unknown field; expected {_expected_fields(where)}"
         )

@@ -181,11 +181,11 @@ class OIPv2(KServeV1):
     def _decode(self) -> tuple[_InferRequest, memoryview]:
         """The JSON header as an _InferRequest and the binary tail (empty without the extension)."""
         body = self.body
-        if isinstance(body, dict):  # TorchServe decoded it (decode_input_request=true)
-            try:
-                return msgspec.convert(body, _InferRequest), memoryview(b"")
-            except msgspec.ValidationError as e:
-                raise BadRequest(_v2_message(str(e))) from None
+        if isinstance(body, dict):
+            # TorchServe decoded it (decode_input_request=true, its default): encoded again, as
+            # _Tensor keeps each input's data as raw JSON until its datatype is checked (a dict
+            # converted straight to _InferRequest refused every request; found by fuzzing).
+            body = msgspec.json.encode(body)
         raw = memoryview(body if isinstance(body, (bytes, bytearray)) else str(body).encode())
         n = len(raw) if self.json_length is None else self.json_length
         if n > len(raw):
@@ -236,7 +236,9 @@ def _columns(req: _InferRequest, tail: memoryview, parser: RequestParser) -> Par
             return fast
     arrays: dict[str, np.ndarray] = {}
     offset = 0
-    for t in req.inputs:
+    for i, t in enumerate(req.inputs):
+        if not t.name:  # every message below starts with the input's name (found by fuzzing)
+            raise BadRequest(f'inputs[{i}].name: expected the name of an input, got ""')
         if t.name in arrays:
             raise BadRequest(f"{t.name}: input appears more than once")
         arrays[t.name], offset = _tensor(t, tail, offset)
