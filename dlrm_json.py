@@ -161,6 +161,7 @@ def _non_finite_literal(raw: bytes, error: str) -> str | None:
 
 
 _AT = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_PLAIN = re.compile(r"[\w.\-]+")  # a field name that reads as one in "<name>: unknown field"
 _RULES = [  # msgspec's wording -> ours
     (re.compile(r"Expected `int` >= 0$"), "expected a non-negative integer"),
     (re.compile(r"Expected `int` <= \d+$"), f"expected an integer that fits int64 (at most {INT64_MAX})"),
@@ -194,8 +195,8 @@ def _explain(msg: str, whole: Any, prefix: str = "") -> str:
         return f"{where + '.' if where else ''}{name}: required field is missing"
     if text.startswith("Object contains unknown field"):
         name = text[text.index("`") + 1 : text.rindex("`")]  # the whole name, backticks and all
-        if not name:  # the empty key: say so where it sits (found by fuzzing: tests/fuzz/json/)
-            return f'{where or "body"}: unknown field "" (an empty name); expected {_expected_fields(where)}'
+        if not _PLAIN.fullmatch(name):  # e.g. "" or ": []": quoted where it sits (found by fuzzing)
+            return f"{where or 'body'}: unknown field {show(name)}; expected {_expected_fields(where)}"
         return (
             f"{where + '.' if where else ''}{name[:MAX_KEY_CHARS]}: unknown field; expected {_expected_fields(where)}"
         )
