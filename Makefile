@@ -8,9 +8,7 @@ MAR     := model_store/dlrm.mar
 SAMPLE  ?= $(wildcard $(patsubst model-config.%.yaml,sample_requests/%.json,$(filter model-config.%.yaml,$(notdir $(CONFIG)))))
 SAMPLE_ARG = $(if $(SAMPLE),--sample $(SAMPLE))
 PROBE_ARG  = $(if $(SAMPLE),--sample $(SAMPLE),--config $(CONFIG))
-SOURCES := dlrm_handler.py dlrm_factory.py dlrm_core.py dlrm_config.py dlrm_errors.py dlrm_scale.py dlrm_kserve.py dlrm_checkpoint.py dlrm_criteo.py \
-           dlrm_cpus.py dlrm_request.py dlrm_json.py dlrm_forms.py \
-           scripts/build_mar.py
+SOURCES := dlrm_handler.py dlrm_factory.py $(wildcard dlrmkit/*.py) scripts/build_mar.py
 # A trained checkpoint to serve (docs/trained-models.md): a .pt/.pth file or a DCP directory,
 # whose files the archive then depends on.
 CHECKPOINT ?=
@@ -102,7 +100,7 @@ image: $(PLUGIN)  ## build the container image deploy/kserve runs (VARIANT=cpu|c
 
 # Checks before review: ruff's lint over the tree, mypy over the kit (pyproject.toml), and ruff's
 # formatter over the files already formatted (FORMATTED; the rest join as they are reworked).
-FORMATTED := dlrm_request.py dlrm_json.py dlrm_forms.py scripts/fuzz.py tests/test_fuzz.py
+FORMATTED := dlrmkit/request.py dlrmkit/schema.py dlrmkit/forms.py scripts/fuzz.py tests/test_fuzz.py
 lint: venv  ## ruff (lint, format) and mypy, as CI runs them before the tests
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check $(FORMATTED)

@@ -2,11 +2,11 @@
 
 Thin wiring over the TorchServe-free core. A request's way through one TorchServe batch::
 
-    req = open_request(body, route, headers)    dlrm_kserve: its protocol (/predictions JSON, Criteo
+    req = open_request(body, route, headers)    dlrmkit.protocols: its protocol (/predictions JSON, Criteo
                                                 TSV, KServe v1, OIP v2 JSON or binary)
-    parsed = req.parse()                        -> dlrm_request.ParsedRequest, or a RequestError (4xx)
-    batch, bad = collate(parsed requests)       dlrm_core: one dense tensor + one KeyedJaggedTensor
-    per_request = scores(model, batch)          dlrm_core: one forward (one per MAX_ROWS_PER_FORWARD rows)
+    parsed = req.parse()                        -> dlrmkit.request.ParsedRequest, or a RequestError (4xx)
+    batch, bad = collate(parsed requests)       dlrmkit.batch: one dense tensor + one KeyedJaggedTensor
+    per_request = scores(model, batch)          dlrmkit.batch: one forward (one per MAX_ROWS_PER_FORWARD rows)
     req.answer(scores) / req.error(err)         the protocol's reply: body, Content-Type, headers
 
 Every request is answered on its own: a bad request gets its own 4xx and error body while the
@@ -28,14 +28,14 @@ from ts.metrics.dimension import Dimension
 from ts.torch_handler.base_handler import BaseHandler
 from ts.utils.util import PredictionException
 
-from dlrm_config import DLRMConfig
-from dlrm_core import collate, scores
-from dlrm_forms import RequestParser
-from dlrm_cpus import torch_threads
-from dlrm_errors import BadRequest, ConfigError, RequestError
+from dlrmkit.config import DLRMConfig
+from dlrmkit.batch import collate, scores
+from dlrmkit.forms import RequestParser
+from dlrmkit.cpus import torch_threads
+from dlrmkit.errors import BadRequest, ConfigError, RequestError
 from dlrm_factory import DLRMFactory
-from dlrm_kserve import BINARY_HEADER, open_request
-from dlrm_scale import worker_devices
+from dlrmkit.protocols import BINARY_HEADER, open_request
+from dlrmkit.scale import worker_devices
 
 logger = logging.getLogger(__name__)
 

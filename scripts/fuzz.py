@@ -56,7 +56,7 @@ def _configs() -> dict:
     model-config.criteo.yaml with D = 8, small tables and small request limits."""
     import yaml
 
-    from dlrm_config import DLRMConfig
+    from dlrmkit.config import DLRMConfig
 
     def small(name: str, **changes) -> DLRMConfig:
         handler = yaml.safe_load((ROOT / name).read_text())["handler"]
@@ -82,7 +82,7 @@ class Harness:
         import torch
 
         from dlrm_factory import DLRMFactory
-        from dlrm_forms import RequestParser
+        from dlrmkit.forms import RequestParser
 
         torch.set_num_threads(1)
         self.target = target
@@ -93,7 +93,7 @@ class Harness:
     def requests(self, data: bytes):
         """The protocol objects the handler would make of ``data`` (several body types where
         TorchServe may hand over either)."""
-        from dlrm_kserve import open_request
+        from dlrmkit.protocols import open_request
 
         model = ("dlrm", "1.0")
         t = self.target
@@ -124,8 +124,8 @@ class Harness:
             self._check(req)
 
     def _check(self, req) -> None:
-        from dlrm_core import collate, scores
-        from dlrm_errors import RequestError
+        from dlrmkit.batch import collate, scores
+        from dlrmkit.errors import RequestError
 
         try:
             parsed = req.parse()
@@ -250,8 +250,16 @@ def fuzz(target: str, libfuzzer_args: list[str], crashes: Path | None) -> None:
     import torchrec  # noqa: F401
     import yaml  # noqa: F401
 
-    kit = ["dlrm_core", "dlrm_request", "dlrm_json", "dlrm_forms", "dlrm_kserve", "dlrm_criteo", "dlrm_errors"]
-    with atheris.instrument_imports(include=kit):
+    kit = [
+        "dlrmkit.batch",
+        "dlrmkit.request",
+        "dlrmkit.schema",
+        "dlrmkit.forms",
+        "dlrmkit.protocols",
+        "dlrmkit.criteo",
+        "dlrmkit.errors",
+    ]
+    with atheris.instrument_imports(include=["dlrmkit"]):
         for name in kit:
             importlib.import_module(name)
     harness = Harness(target)

@@ -41,7 +41,7 @@ def test_found_input_parses_or_is_refused_naming_a_field(path: Path):
     ],
 )
 def test_what_fuzzing_found_is_answered_400_naming_the_field(target, body, message):
-    from dlrm_errors import BadRequest
+    from dlrmkit.errors import BadRequest
 
     harness = fuzz.Harness(target)
     for req in harness.requests(body):  # bytes and, as TorchServe may hand it over, decoded
@@ -62,7 +62,7 @@ def test_a_broken_invariant_is_caught():
     with pytest.raises(KeyError):
         harness._check(Broken())
     with pytest.raises(AssertionError, match="names no field"):
-        from dlrm_errors import BadRequest
+        from dlrmkit.errors import BadRequest
 
         fuzz._refusal(BadRequest(": unknown field"))
 
@@ -82,7 +82,7 @@ def test_oip_v2_json_decoded_by_torchserve_scores_as_its_bytes():
     """TorchServe's default decode_input_request=true hands an application/json body over as a
     dict: a v2 request so decoded was refused (inputs[0].data: expected `raw`), found while
     fuzzing both forms; now it scores as its bytes do."""
-    from dlrm_core import collate, scores
+    from dlrmkit.batch import collate, scores
 
     harness = fuzz.Harness("oip_json")
     body = json.dumps({"inputs": fuzz._v2_inputs()}).encode()

@@ -43,8 +43,8 @@ V2_JSON = {
 @pytest.fixture(scope="module")
 def reference():
     """The two rows' scores from the in-process model the archive was built from."""
-    from dlrm_core import collate, scores
-    from dlrm_forms import RequestParser
+    from dlrmkit.batch import collate, scores
+    from dlrmkit.forms import RequestParser
     from dlrm_factory import DLRMFactory
 
     config = tiny_config()
@@ -286,8 +286,8 @@ def test_tritonclient_single_hot_request_is_read_whole_and_scores_as_its_rows(se
     feature, binary) has the layout of the parser's whole-tail path (_binary_single_hot), and
     over a real TorchServe it scores as the same rows sent to /predictions."""
     import tritonclient.http as httpclient
-    from dlrm_forms import RequestParser
-    from dlrm_kserve import _INFER, _binary_single_hot
+    from dlrmkit.forms import RequestParser
+    from dlrmkit.protocols import _INFER, _binary_single_hot
 
     tensors = {"dense": DENSE_ROWS, "feature_2": np.array([1, 0], np.int64), "feature_0": np.array([[3], [5]], np.int64)}
     inputs = []

@@ -1,6 +1,6 @@
 """JSON request bodies -> typed structs, and msgspec's complaints -> messages naming the field.
 
-The /predictions JSON forms (dlrm_forms reads their meaning) are decoded by msgspec straight from
+The /predictions JSON forms (dlrmkit.forms reads their meaning) are decoded by msgspec straight from
 bytes into the structs of ``_schema``: one pass, in C. A body that does not fit gets a BadRequest
 whose message starts with the field's path, e.g. ``Expected `int` >= 0 - at `$.sparse.lengths[1]```
 -> ``sparse.lengths[1]: expected a non-negative integer, got -1``.
@@ -19,8 +19,8 @@ from typing import Annotated, Any, Sequence
 
 import msgspec
 
-from dlrm_config import INT64_MAX
-from dlrm_errors import BadRequest
+from dlrmkit.config import INT64_MAX
+from dlrmkit.errors import BadRequest
 
 FLOAT32_MAX = 3.4028234663852886e38
 MAX_KEY_CHARS = 256

@@ -1,7 +1,7 @@
 """One request as collation reads it: ``ParsedRequest`` (ids and their bags, no tensors yet).
 
-Every request form and protocol (dlrm_forms, dlrm_kserve) parses into this one type, so requests
-of every kind share one collate and one forward pass (dlrm_core). ``Context`` holds the features
+Every request form and protocol (dlrmkit.forms, dlrmkit.protocols) parses into this one type, so requests
+of every kind share one collate and one forward pass (dlrmkit.batch). ``Context`` holds the features
 a ranking or columns request shares across its rows; ``hot_request`` lays out single-hot rows.
 """
 
@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from dlrm_errors import BadRequest
+from dlrmkit.errors import BadRequest
 
 # A column of floats or ids: a list while a parser appends to it, an array once laid out in
 # numpy (an ndarray is no typing.Sequence, and a union of the two would allow neither's methods).

@@ -2,11 +2,11 @@
 
 A request's way (dlrm_handler wires these, one TorchServe batch at a time)::
 
-    open_request(body, route, ...)  dlrm_kserve    its protocol: /predictions JSON, Criteo TSV, KServe v1, OIP v2
-    .parse()     -> ParsedRequest   dlrm_forms / dlrm_criteo / dlrm_kserve   raises RequestError (4xx)
+    open_request(body, route, ...)  dlrmkit.protocols    its protocol: /predictions JSON, Criteo TSV, KServe v1, OIP v2
+    .parse()     -> ParsedRequest   dlrmkit.forms / dlrmkit.criteo / dlrmkit.protocols   raises RequestError (4xx)
     collate(requests) -> Batch, {idx: error}        here: one dense [B, F_dense] + one KeyedJaggedTensor
     scores(model, batch) -> [[score, ...], ...]     here: one forward, split back per request
-    .answer(scores) / .error(err) -> Reply          the protocol's body (dlrm_forms.response_body, ...)
+    .answer(scores) / .error(err) -> Reply          the protocol's body (dlrmkit.forms.response_body, ...)
 
 The batch's KJT is key-major: with features (f0, f1) and rows b0 = {f0: [3, 4], f1: [7]},
 b1 = {f0: [5]}, lengths are [2, 1 | 1, 0] and values [3, 4, 5 | 7].
@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from dlrm_config import DLRMConfig
-from dlrm_errors import BadRequest, RequestError
-from dlrm_request import ParsedRequest
+from dlrmkit.config import DLRMConfig
+from dlrmkit.errors import BadRequest, RequestError
+from dlrmkit.request import ParsedRequest
 
 
 @dataclass

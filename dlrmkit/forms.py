@@ -14,8 +14,8 @@ Forms (a body may hold one instance, or several under ``instances``)::
     {"float_features": [...], "id_list_features.lengths": [<one per feature, model order>],
      "id_list_features.values": [...]}                 # the pytorch/serve torchrec_dlrm format
 
-A key that an instance omits is an empty bag. Decoding and its messages are dlrm_json's; the
-layout the rows end in is dlrm_request's.
+A key that an instance omits is an empty bag. Decoding and its messages are dlrmkit.schema's; the
+layout the rows end in is dlrmkit.request's.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from typing import Any, Sequence
 import msgspec
 import numpy as np
 
-from dlrm_config import INT64_MAX, DLRMConfig
-from dlrm_errors import BadRequest, PayloadTooLarge, RequestError
-from dlrm_json import (
+from dlrmkit.config import INT64_MAX, DLRMConfig
+from dlrmkit.errors import BadRequest, PayloadTooLarge, RequestError
+from dlrmkit.schema import (
     FAST_DECODER,
     FAST_MIN_BYTES,
     FLOAT32_MAX,
@@ -41,7 +41,7 @@ from dlrm_json import (
     name_list,
     show,
 )
-from dlrm_request import Context, Floats, ParsedRequest, hot_request
+from dlrmkit.request import Context, Floats, ParsedRequest, hot_request
 
 _DENSE, _SPARSE = operator.attrgetter("dense"), operator.attrgetter("sparse")
 _KEYS, _VALUES, _LENGTHS = (operator.attrgetter(a) for a in ("keys", "values", "lengths"))
