@@ -2,12 +2,12 @@
 
 Thin wiring over the TorchServe-free core. A request's way through one TorchServe batch::
 
-    req = open_request(body, route, headers)    dlrmkit.protocols: its protocol (/predictions JSON, Criteo
+    req = open_request(body, header fields)     dlrmkit.protocols: its protocol (/predictions JSON, Criteo
                                                 TSV, KServe v1, OIP v2 JSON or binary)
     parsed = req.parse()                        -> dlrmkit.request.ParsedRequest, or a RequestError (4xx)
     batch, bad = collate(parsed requests)       dlrmkit.batch: one dense tensor + one KeyedJaggedTensor
     per_request = scores(model, batch)          dlrmkit.batch: one forward (one per MAX_ROWS_PER_FORWARD rows)
-    req.answer(scores) / req.error(err)         the protocol's reply: body, Content-Type, headers
+    req.answer(scores) / req.error(err)         the protocol's reply: body, Content-Type, header fields
 
 Every request is answered on its own: a bad request gets its own 4xx and error body while the
 good requests of the same batch get their scores, and requests of every protocol share the
