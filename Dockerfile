@@ -30,6 +30,7 @@ RUN set -eu; cd /src; \
     rm /opt/venv/.installed; find /opt/venv -name __pycache__ -prune -exec rm -rf {} +; \
     /opt/venv/bin/python -m compileall -q -j 0 /opt/venv/lib > /dev/null || true
 COPY *.py model-config.yaml metrics.yaml /src/
+COPY dlrmkit/ /src/dlrmkit/
 COPY scripts/ /src/scripts/
 # The OIP endpoint plugin (`make plugin`, copied here by `make image`): the layout carries it.
 COPY build/docker/plugins/ /src/build/plugins/

@@ -8,9 +8,7 @@ MAR     := model_store/dlrm.mar
 SAMPLE  ?= $(wildcard $(patsubst model-config.%.yaml,sample_requests/%.json,$(filter model-config.%.yaml,$(notdir $(CONFIG)))))
 SAMPLE_ARG = $(if $(SAMPLE),--sample $(SAMPLE))
 PROBE_ARG  = $(if $(SAMPLE),--sample $(SAMPLE),--config $(CONFIG))
-SOURCES := dlrm_handler.py dlrm_factory.py dlrm_core.py dlrm_config.py dlrm_errors.py dlrm_scale.py dlrm_kserve.py dlrm_checkpoint.py dlrm_criteo.py \
-           dlrm_cpus.py \
-           scripts/build_mar.py
+SOURCES := dlrm_handler.py dlrm_factory.py $(wildcard dlrmkit/*.py) scripts/build_mar.py
 # A trained checkpoint to serve (docs/trained-models.md): a .pt/.pth file or a DCP directory,
 # whose files the archive then depends on.
 CHECKPOINT ?=
@@ -20,7 +18,7 @@ VERIFY ?=
 VERIFY_ARG = $(if $(VERIFY),--verify $(VERIFY))
 CKPT_FILES := $(if $(CHECKPOINT),$(or $(wildcard $(CHECKPOINT)/.metadata $(CHECKPOINT)/*),$(CHECKPOINT)))
 
-.PHONY: help venv plugin image image-base mar serve ready rollout rollback stop test unit integration bench knobs soak faults clean FORCE
+.PHONY: help venv plugin image image-base mar serve ready rollout rollback stop lint fuzz test unit integration bench knobs soak faults clean FORCE
 
 # Creates .venv and installs the pinned stack; a no-op once done (see scripts/install.sh).
 venv:  ## create .venv with the pinned stack (a no-op once done)
@@ -100,6 +98,20 @@ image: image-base $(PLUGIN)  ## build the container image deploy/kserve runs (VA
 	@if [ -n "$(PIP_CA)" ]; then cp "$(PIP_CA)" build/docker/ca.pem; else : > build/docker/ca.pem; fi
 	docker build -t $(IMAGE) --build-arg BASE=$(BASE) --build-arg VARIANT=$(VARIANT) \
 	  --build-arg PIP_EXTRA_INDEX_URL=$(PIP_EXTRA_INDEX_URL) .
+
+# Checks before review: ruff's lint over the tree, mypy over the kit (pyproject.toml), and ruff's
+# formatter over the files already formatted (FORMATTED; the rest join as they are reworked).
+FORMATTED := dlrmkit/request.py dlrmkit/schema.py dlrmkit/forms.py scripts/fuzz.py tests/test_fuzz.py
+lint: venv  ## ruff (lint, format) and mypy, as CI runs them before the tests
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check $(FORMATTED)
+	$(PY) -m mypy
+
+# Coverage-guided fuzzing of the network-facing parsers (scripts/fuzz.py; make test runs a short
+# seeded pass): every target for FUZZ_MINUTES each, figures to results/fuzz.{json,md}.
+FUZZ_MINUTES ?= 13
+fuzz: venv  ## fuzz the request parsers, FUZZ_MINUTES per target (results/fuzz.*), ~1 hour
+	nice -n 15 $(PY) scripts/fuzz.py campaign --minutes $(FUZZ_MINUTES)
 
 test: venv $(PLUGIN)  ## all tests: unit and real-TorchServe integration
 	$(PY) -m pytest -q

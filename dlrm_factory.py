@@ -15,9 +15,9 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from dlrm_config import DLRMConfig
-from dlrm_errors import ConfigError
-from dlrm_scale import DTYPES, EBC, adopt_tables, copy_tables, fused_tables, quant_ebc, quantize, saved_state, shard
+from dlrmkit.config import DLRMConfig
+from dlrmkit.errors import ConfigError
+from dlrmkit.scale import DTYPES, EBC, adopt_tables, copy_tables, fused_tables, quant_ebc, quantize, saved_state, shard
 
 _EBC_PREFIX = EBC + "embedding_bags."
 logger = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ class DLRMFactory:
         kernel's weight buffer is built untouched and takes the memory-mapped archive buffer as
         it is, so nothing is allocated twice and on CPU the tables stay file-backed pages that
         workers of the same model share. Several devices: the tables are sharded table-wise
-        across them (``dlrm_scale.shard``), the dense part runs on the first.
+        across them (``dlrmkit.scale.shard``), the dense part runs on the first.
 
         An fp32 archive from before the fused kernel (``nn.EmbeddingBag`` tables) still loads,
         into a private copy per worker; a warning says to rebuild it to share the pages again.
@@ -218,7 +218,7 @@ class DLRMFactory:
         return frozen
 
     def load_fp32(self, state: dict[str, torch.Tensor]) -> DLRM:
-        """A trained fp32 state_dict (``--checkpoint``, via dlrm_checkpoint), whatever
+        """A trained fp32 state_dict (``--checkpoint``, via dlrmkit.checkpoint), whatever
         ``embedding_dtype`` says, on CPU; its tensors become the model's (no copy)."""
         return self._load_fp32(state).eval()
 

@@ -1,12 +1,17 @@
 """TorchServe handler for torchrec DLRM models.
 
-Thin wiring over the TorchServe-free core (``dlrm_core``): parse each request, collate the
-whole TorchServe batch into one dense tensor and one KeyedJaggedTensor, run one forward pass
-(several for a batch of more than MAX_ROWS_PER_FORWARD rows), and answer every request on its own: a bad request gets its own 4xx and JSON error body while
-the good requests of the same batch get their scores. TorchServe imports this file and wants
-exactly one class in it. Each request is read and answered in its own protocol (dlrm_kserve:
-/predictions and gRPC as in docs/requests-and-errors.md, KServe v1, Open Inference Protocol v2 JSON or binary),
-and requests of every protocol share the batch's forward pass.
+Thin wiring over the TorchServe-free core. A request's way through one TorchServe batch::
+
+    req = open_request(body, header fields)     dlrmkit.protocols: its protocol (/predictions JSON, Criteo
+                                                TSV, KServe v1, OIP v2 JSON or binary)
+    parsed = req.parse()                        -> dlrmkit.request.ParsedRequest, or a RequestError (4xx)
+    batch, bad = collate(parsed requests)       dlrmkit.batch: one dense tensor + one KeyedJaggedTensor
+    per_request = scores(model, batch)          dlrmkit.batch: one forward (one per MAX_ROWS_PER_FORWARD rows)
+    req.answer(scores) / req.error(err)         the protocol's reply: body, Content-Type, header fields
+
+Every request is answered on its own: a bad request gets its own 4xx and error body while the
+good requests of the same batch get their scores, and requests of every protocol share the
+batch's forward pass. TorchServe imports this file and wants exactly one class in it.
 """
 
 from __future__ import annotations
@@ -23,13 +28,14 @@ from ts.metrics.dimension import Dimension
 from ts.torch_handler.base_handler import BaseHandler
 from ts.utils.util import PredictionException
 
-from dlrm_config import DLRMConfig
-from dlrm_core import RequestParser, collate, scores
-from dlrm_cpus import torch_threads
-from dlrm_errors import BadRequest, ConfigError, RequestError
+from dlrmkit.config import DLRMConfig
+from dlrmkit.batch import collate, scores
+from dlrmkit.forms import RequestParser
+from dlrmkit.cpus import torch_threads
+from dlrmkit.errors import BadRequest, ConfigError, RequestError
 from dlrm_factory import DLRMFactory
-from dlrm_kserve import BINARY_HEADER, open_request
-from dlrm_scale import worker_devices
+from dlrmkit.protocols import BINARY_HEADER, open_request
+from dlrmkit.scale import worker_devices
 
 logger = logging.getLogger(__name__)
 

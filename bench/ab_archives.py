@@ -82,7 +82,7 @@ def main() -> int:
     ap.add_argument("--out", required=True, help="output path without suffix: writes OUT.json and OUT.md")
     args = ap.parse_args()
 
-    from dlrm_config import DLRMConfig
+    from dlrmkit.config import DLRMConfig
 
     cfg = DLRMConfig.from_yaml(args.config)
     points = [point_of(p) for p in args.points]

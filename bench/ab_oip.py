@@ -58,7 +58,7 @@ def main() -> int:
         sys.exit(f"error: {PLUGIN} is missing: run `make plugin`")
 
     import build_mar
-    from dlrm_config import DLRMConfig
+    from dlrmkit.config import DLRMConfig
 
     cfg = DLRMConfig.from_yaml(args.config)
     rng = random.Random(7)

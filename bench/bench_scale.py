@@ -63,7 +63,7 @@ def write_archives(tmp: Path, cap: int, dtypes: list[str]) -> dict[str, Path]:
     import torch
     import yaml
 
-    from dlrm_config import DLRMConfig
+    from dlrmkit.config import DLRMConfig
     from dlrm_factory import DLRMFactory
 
     out = {}
@@ -96,8 +96,8 @@ def _copy(model):
 def bench_speed(tmp: Path, device: str, reps: int) -> dict:
     import torch
 
-    from dlrm_config import DLRMConfig
-    from dlrm_core import Batch, scores
+    from dlrmkit.config import DLRMConfig
+    from dlrmkit.batch import Batch, scores
     from dlrm_factory import DLRMFactory
 
     archives = write_archives(tmp, 100_000, DTYPES)
@@ -155,8 +155,8 @@ LOAD_CHILD = r"""
 import json, sys, time
 sys.path[:0] = [sys.argv[1]]
 import psutil, torch
-from dlrm_config import DLRMConfig
-from dlrm_core import Batch, scores
+from dlrmkit.config import DLRMConfig
+from dlrmkit.batch import Batch, scores
 from dlrm_factory import DLRMFactory
 import yaml
 def hwm():  # this process's peak RSS (ru_maxrss would include the parent's: kept across exec)
@@ -186,8 +186,8 @@ print(json.dumps({"load_s": load_s, "first_batch_s": first_s, "rss_before": rss0
 
 
 def bench_load(tmp: Path, device: str, caps: list[int]) -> dict:
-    from dlrm_config import DLRMConfig
-    from dlrm_scale import table_bytes
+    from dlrmkit.config import DLRMConfig
+    from dlrmkit.scale import table_bytes
 
     out = {}
     for cap in caps:
@@ -230,7 +230,7 @@ def bench_workers(tmp: Path, cap: int, counts: list[int]) -> dict:
     import yaml
 
     import build_mar
-    from dlrm_config import DLRMConfig
+    from dlrmkit.config import DLRMConfig
     from tsctl import Server, post
 
     out = {}
@@ -282,7 +282,7 @@ def _archive(build_mar, cfg_path: Path, weights: Path, store: Path) -> None:
     staging.mkdir(exist_ok=True)
     subprocess.run([str(Path(sys.executable).parent / "torch-model-archiver"), "--model-name", "dlrm",
                     "--version", "1.0", "--handler", str(ROOT / "dlrm_handler.py"), "--serialized-file", str(weights),
-                    "--extra-files", ",".join(str(ROOT / f) for f in build_mar.EXTRA_FILES),
+                    "--extra-files", ",".join(build_mar.extra_files(staging)),
                     "--config-file", str(cfg_path), "--export-path", str(store), "--archive-format", "zip-store",
                     "--force"], check=True, env={**os.environ, "TMPDIR": str(staging)})
 

@@ -272,9 +272,10 @@ class _Context:
 
 def bench_handler(handler, cfg, seconds: float) -> list[dict]:
     """Whole handle() per batch, plus the same core stages timed one by one."""
-    from dlrm_core import collate, response_body, scores
-    from dlrm_criteo import CONTENT_TYPE as TSV
-    from dlrm_kserve import BINARY_HEADER, open_request
+    from dlrmkit.batch import collate, scores
+    from dlrmkit.forms import response_body
+    from dlrmkit.criteo import CONTENT_TYPE as TSV
+    from dlrmkit.protocols import BINARY_HEADER, open_request
 
     out = []
     rng = random.Random(2)
@@ -867,7 +868,7 @@ def main() -> int:
     import torch
     import yaml
 
-    from dlrm_config import DLRMConfig
+    from dlrmkit.config import DLRMConfig
     from dlrm_factory import DLRMFactory
     from dlrm_handler import TorchRecDLRMHandler
 

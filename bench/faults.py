@@ -57,7 +57,7 @@ class Bench:
     """The server under test, the request pool, its expected scores and the run's checks."""
 
     def __init__(self, args, tmp: Path):
-        from dlrm_config import DLRMConfig
+        from dlrmkit.config import DLRMConfig
 
         import build_mar
 

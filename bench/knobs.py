@@ -4,7 +4,7 @@
     python bench/knobs.py                   # what `make knobs` runs; ~10 minutes
     python bench/knobs.py --rounds 1 --duration 3    # a quick look
     python bench/knobs.py --placements --cpus 1 2 --rounds 3 --duration 5 --out results/cpu-rule
-                                            # workers x threads on 1 and 2 CPUs (dlrm_cpus.cpu_rule)
+                                            # workers x threads on 1 and 2 CPUs (dlrmkit.cpus.cpu_rule)
 
 Each setting is a fresh TorchServe (the shipped config.properties plus the setting's
 overrides) serving the Criteo-layout archive; each is measured at the two headline points
@@ -51,7 +51,7 @@ SETTINGS = {
     "maxBatchDelay=5": ({}, {"maxBatchDelay": 5}),
     "batchSize=128 + netty_client_threads=1": ({"netty_client_threads": 1}, {"batchSize": 128}),
 }
-# workers x torch threads per worker (the CPU rule's candidates, dlrm_cpus.cpu_rule)
+# workers x torch threads per worker (the CPU rule's candidates, dlrmkit.cpus.cpu_rule)
 PLACEMENTS = {f"{w} worker(s) x {t} thread(s)": ({}, {"minWorkers": w, "maxWorkers": w, "torch_threads": t})
               for w, t in ((1, 1), (2, 1), (1, 2))}
 POINTS = ((1, 64), (RANKING, 16))  # (request kind, concurrency)
@@ -125,7 +125,7 @@ def main() -> int:
     ref = names[0] if args.placements else "shipped"
     chosen = [ref] + [name for name in names if name != ref]
 
-    from dlrm_config import DLRMConfig
+    from dlrmkit.config import DLRMConfig
 
     cfg_path = Path(args.config).resolve()
     cfg = DLRMConfig.from_yaml(cfg_path)

@@ -5,7 +5,7 @@
     python bench/server_scenario.py --probe-seconds 5 --configs model-config.criteo.yaml
 
 ``HostForward``: the served model's forward using every CPU this process may use
-(dlrm_cpus.available_cpus): N processes x 1 thread (each pinned to one CPU) and 1 process x N
+(dlrmkit.cpus.available_cpus): N processes x 1 thread (each pinned to one CPU) and 1 process x N
 threads, measured back to back; the better of the two is the host's limit, the anchor of the
 served ranking targets (bench/benchmark.py) and of this scenario's.
 
@@ -62,7 +62,7 @@ def _host_child(conn, cfg_path: str, model_path: str, cpu: int) -> None:
     """One single-threaded process on one CPU holding the served model (as a worker loads it)."""
     import torch
 
-    from dlrm_config import DLRMConfig
+    from dlrmkit.config import DLRMConfig
     from dlrm_factory import DLRMFactory
 
     os.sched_setaffinity(0, {cpu})
@@ -92,7 +92,7 @@ class HostForward:
     def __init__(self, cfg_path: Path, model_path: Path, model, cfg):
         import multiprocessing
 
-        from dlrm_cpus import available_cpus
+        from dlrmkit.cpus import available_cpus
 
         self.cpus = sorted(os.sched_getaffinity(0))[:available_cpus()]
         self.model, self.cfg = model, cfg
@@ -326,7 +326,7 @@ def serve_and_measure(cfg_path: Path, tmp: Path, seconds: float, host_seconds: f
     import torch
     import yaml
 
-    from dlrm_config import DLRMConfig
+    from dlrmkit.config import DLRMConfig
     from dlrm_factory import DLRMFactory
 
     cfg = DLRMConfig.from_yaml(cfg_path)

@@ -51,7 +51,8 @@ def good_requests(rng, n, features, rows, n_dense) -> list[bytes]:
 def expected_scores(config, weights: Path, bodies: list[bytes]) -> list[list[float]]:
     """Each body scored alone in this process, through the handler's own core (parse -> collate
     -> score) and the archive's weights: what a correct server must answer under any load."""
-    from dlrm_core import RequestParser, collate, scores
+    from dlrmkit.batch import collate, scores
+    from dlrmkit.forms import RequestParser
     from dlrm_factory import DLRMFactory
 
     model, parser = DLRMFactory(config).load(weights), RequestParser(config)
@@ -110,7 +111,7 @@ def main() -> int:
     ap.add_argument("--json", help="also write the report here")
     args = ap.parse_args()
 
-    from dlrm_config import DLRMConfig
+    from dlrmkit.config import DLRMConfig
 
     cfg = DLRMConfig.from_yaml(args.config)
     features, rows = list(cfg.sparse_features), list(cfg.num_embeddings)

@@ -38,7 +38,7 @@ def main() -> int:
 
     import torch
 
-    from dlrm_config import DLRMConfig
+    from dlrmkit.config import DLRMConfig
     from dlrm_factory import DLRMFactory
 
     torch.set_num_threads(1)  # as served (model-config: one torch thread per worker)

@@ -16,7 +16,7 @@ tsv_to_npys did (2 - the file's minimum dense value, per file), then writes --co
 
 --checkpoint takes a .pt/.pth state_dict (or a dict holding one under model / model_state_dict /
 state_dict) or a torch.distributed.checkpoint directory, from DLRMTrain / DistributedModelParallel
-(dlrm_checkpoint.py). The weights are checked against the config before anything is archived: a
+(dlrmkit/checkpoint.py). The weights are checked against the config before anything is archived: a
 key or table whose name or shape does not fit is an error that names it, and so is a feature order
 the checkpoint contradicts. A DCP directory does not record the trainer's table order: unless its
 tables are one numbered sequence (cat_0 ... cat_25), --feature-order gives it. --verify proves the
@@ -38,9 +38,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# Shipped beside the handler in the archive; TorchServe puts them on the worker's sys.path.
-EXTRA_FILES = ["dlrm_factory.py", "dlrm_core.py", "dlrm_config.py", "dlrm_errors.py", "dlrm_scale.py", "dlrm_kserve.py",
-               "dlrm_criteo.py", "dlrm_cpus.py"]
+# Shipped beside the handler in the archive, whose root TorchServe puts on the worker's sys.path:
+# the model file and the kit's package (every module of dlrmkit/, as dlrmkit/ in the archive).
+EXTRA_FILES = ["dlrm_factory.py"]
+PACKAGE = "dlrmkit"
+
+
+def extra_files(tmp: Path) -> list[str]:
+    """torch-model-archiver's --extra-files: EXTRA_FILES and a folder in ``tmp`` holding the
+    package (the archiver copies a directory's entries to the archive's root, so the package
+    sits in a folder of its own to land as dlrmkit/)."""
+    stage = tmp / "package"
+    shutil.rmtree(stage, ignore_errors=True)
+    shutil.copytree(ROOT / PACKAGE, stage / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
+    return [*(str(ROOT / f) for f in EXTRA_FILES), str(stage)]
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -74,11 +85,11 @@ def main(argv: list[str] | None = None) -> Path:
 
     import torch
 
-    from dlrm_checkpoint import import_checkpoint, verify_archive, write_config
-    from dlrm_config import DLRMConfig
-    from dlrm_errors import BadRequest, ConfigError
+    from dlrmkit.checkpoint import import_checkpoint, verify_archive, write_config
+    from dlrmkit.config import DLRMConfig
+    from dlrmkit.errors import BadRequest, ConfigError
     from dlrm_factory import DLRMFactory
-    from dlrm_kserve import METADATA_FILE, model_metadata
+    from dlrmkit.protocols import METADATA_FILE, model_metadata
 
     order = [f.strip() for f in args.feature_order.split(",")] if args.feature_order else None
     if order is not None and not args.checkpoint:
@@ -143,7 +154,7 @@ def main(argv: list[str] | None = None) -> Path:
                 "--version", args.version,
                 "--handler", str(ROOT / "dlrm_handler.py"),
                 "--serialized-file", str(weights),
-                "--extra-files", ",".join([*(str(ROOT / f) for f in EXTRA_FILES), str(metadata)]),
+                "--extra-files", ",".join([*extra_files(Path(tmp)), str(metadata)]),
                 "--config-file", str(Path(args.config).resolve()),
                 "--export-path", str(built),
                 # Random floats do not compress; storing them makes building and loading faster.
@@ -177,13 +188,14 @@ def fit_dense_shift(files: list[str], config: str, out: str) -> float:
     import re
     from collections import Counter
 
-    import dlrm_criteo
-    from dlrm_config import DLRMConfig
+    from dlrmkit import criteo
+    from dlrmkit.config import DLRMConfig
+    from dlrmkit.errors import ConfigError
 
     shifts = {}
     for path in files:
         print(f"[fit] {path}", flush=True)
-        shifts[path], lines = dlrm_criteo.fit_dense_shift(
+        shifts[path], lines = criteo.fit_dense_shift(
             path, progress=lambda n: print(f"[fit]   {n:,} lines", flush=True) if n >= 1_000_000 else None)
         print(f"[fit] {path}: {lines:,} lines, min dense {2 - shifts[path]}, dense_shift {shifts[path]}", flush=True)
     # tsv_to_npys shifts each file by its own minimum: a model trained on files that disagree saw
@@ -201,7 +213,7 @@ def fit_dense_shift(files: list[str], config: str, out: str) -> float:
     for key, value in (("raw_input", "criteo_tsv"), ("dense_shift", str(shift)), *fold):
         pattern = re.compile(rf"^(\s+){key}:.*$", re.M)
         if pattern.search(text):
-            text = pattern.sub(lambda m: f"{m.group(1)}{key}: {value}", text, count=1)
+            text = pattern.sub(lambda m, key=key, value=value: f"{m.group(1)}{key}: {value}", text, count=1)
         else:
             m = re.search(r"^handler:[^\n]*\n(\s+)", text, re.M)
             if not m:

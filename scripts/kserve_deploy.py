@@ -12,7 +12,7 @@ the archive with the config's batchSize / maxBatchDelay / timeouts), ``config/me
 and ``model-store/dlrm.mar`` (built from the config, or copied with --mar).
 ``sizing`` writes the kustomize patch of the predictor's resources and probe timings from
 scripts/sizing.py for the config and a pod of --cpus CPUs (the CPU rule's workers for them,
-dlrm_cpus.cpu_rule: one single-threaded worker per CPU; memory for those workers and the chosen
+dlrmkit.cpus.cpu_rule: one single-threaded worker per CPU; memory for those workers and the chosen
 embedding dtype; startupProbe allowing the config's startupTimeout). ``layout`` writes the same
 worker count into the runtime's model_snapshot: give both the same --cpus (default 2).
 """
@@ -41,7 +41,7 @@ PLUGIN = "build/plugins/dlrm-oip.jar"  # `make plugin`
 
 def pod_workers(top: dict, cpus: int) -> int:
     """The config's maxWorkers when it pins one, else the CPU rule's count for the pod's CPUs."""
-    from dlrm_cpus import cpu_rule
+    from dlrmkit.cpus import cpu_rule
 
     return int(top.get("maxWorkers") or cpu_rule(cpus).workers)
 
@@ -121,7 +121,7 @@ def sizing_patch(config_path: Path, kind: str = "InferenceService", cpus: int = 
     import yaml
 
     import sizing
-    from dlrm_config import DLRMConfig
+    from dlrmkit.config import DLRMConfig
 
     config = DLRMConfig.from_yaml(config_path)
     top = yaml.safe_load(config_path.read_text()) or {}

@@ -84,7 +84,7 @@ def probe_from_config(config: str, home: Path) -> Path:
     """A one-row request any model of ``config`` scores: dense zeros, id 0 in every table (for a
     config written from a checkpoint, which has no sample request of its own)."""
     sys.path.insert(0, str(ROOT))
-    from dlrm_config import DLRMConfig
+    from dlrmkit.config import DLRMConfig
 
     c = DLRMConfig.from_yaml(config)
     path = home / "probe.json"

@@ -18,8 +18,8 @@ Workers per budget, two rules:
             bench/bench_scale.py for a measurement)
 
 Workers for --cpus CPUs (default: the CPUs this process may use: affinity capped by the cgroup
-CPU quota, dlrm_cpus.available_cpus): the CPU rule's count (one single-threaded worker per CPU,
-dlrm_cpus.cpu_rule), capped by what fits the budget (the shared rule on CPU), and the memory
+CPU quota, dlrmkit.cpus.available_cpus): the CPU rule's count (one single-threaded worker per CPU,
+dlrmkit.cpus.cpu_rule), capped by what fits the budget (the shared rule on CPU), and the memory
 they need: tables once + workers x (dense + worker).
 
 startupTimeout: worker start (--base-seconds) plus reading every table byte at --disk-mbps,
@@ -64,8 +64,8 @@ def human(n: float) -> str:
 
 
 def report(config, budget: int, worker: int, base_s: float, disk_mbps: float, cpus: int | None = None) -> dict:
-    from dlrm_config import EMBEDDING_DTYPES
-    from dlrm_scale import table_bytes
+    from dlrmkit.config import EMBEDDING_DTYPES
+    from dlrmkit.scale import table_bytes
 
     c = config
     dense = 4 * _dense_params(c)
@@ -86,7 +86,7 @@ def report(config, budget: int, worker: int, base_s: float, disk_mbps: float, cp
             "startup_timeout_s": max(60, int(math.ceil(startup / 10) * 10)),
         }
     if cpus:
-        from dlrm_cpus import cpu_rule
+        from dlrmkit.cpus import cpu_rule
 
         rule = cpu_rule(cpus)
         d = out["dtypes"][c.embedding_dtype]
@@ -102,7 +102,7 @@ def _dense_params(c) -> int:
     import torch
 
     from dlrm_factory import DLRMFactory
-    from dlrm_scale import EBC
+    from dlrmkit.scale import EBC
 
     with torch.device("meta"):
         model = DLRMFactory(c).build("meta", tables_on_meta=True)
@@ -151,8 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
 
-    from dlrm_config import DLRMConfig
-    from dlrm_errors import ConfigError
+    from dlrmkit.config import DLRMConfig
+    from dlrmkit.errors import ConfigError
 
     try:
         config = DLRMConfig.from_yaml(args.config)
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         args.memory = psutil.virtual_memory().total
     if args.cpus is None:
-        from dlrm_cpus import available_cpus
+        from dlrmkit.cpus import available_cpus
 
         args.cpus = available_cpus()
     rep = report(config, args.memory, args.worker_overhead, args.base_seconds, args.disk_mbps, args.cpus)

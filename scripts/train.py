@@ -38,7 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the kit's modules: the Criteo transform and the AUC the build's --verify prints
 
-from dlrm_checkpoint import auc  # noqa: E402
+from dlrmkit.checkpoint import auc  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -67,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--heldout", type=int, default=1000, help="held-out rows (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="data and init seed (default: %(default)s)")
     ap.add_argument("--tsv", help="Criteo-format TSV (label, 13 ints, 26 hex ids) instead of synthetic clicks, "
-                    "transformed as torchrec's tsv_to_npys does and as the handler serves raw lines (dlrm_criteo: "
+                    "transformed as torchrec's tsv_to_npys does and as the handler serves raw lines (dlrmkit.criteo: "
                     "dense ln(x + 2 - min), ids int(hex, 16) %% rows); the last --heldout lines are held out and "
                     "saved raw in heldout.json (lines, dense_shift)")
     args = ap.parse_args(argv)
@@ -112,11 +112,10 @@ class Clicks:
     def _read_tsv(self, path: Path):
         """The file through the handler's own transform, shifted by the file's minimum as
         tsv_to_npys does (``self.dense_shift``); the held-out lines kept raw in ``self.lines``."""
-        import dlrm_criteo
-
-        parsed = dlrm_criteo.read_file(path)
-        self.dense_shift = dlrm_criteo.MIN_SHIFTED - int(parsed.dense.min())
-        dense, _ = dlrm_criteo.dense_features(parsed.dense, self.dense_shift)
+        from dlrmkit import criteo
+        parsed = criteo.read_file(path)
+        self.dense_shift = criteo.MIN_SHIFTED - int(parsed.dense.min())
+        dense, _ = criteo.dense_features(parsed.dense, self.dense_shift)
         self.lines = path.read_text().rstrip("\r\n").split("\n")[-self.args.heldout:]
         return (torch.from_numpy(dense), torch.from_numpy(parsed.ids % self.args.rows),
                 torch.from_numpy(parsed.labels.clip(0)).float())

@@ -26,12 +26,12 @@ BIN = ROOT / ".venv" / "bin"
 
 def default_workers() -> int:
     """Workers per model when neither the properties nor the model's config set them: the CPU
-    rule for the CPUs this process (and so the TorchServe it starts) may use (dlrm_cpus.py)."""
+    rule for the CPUs this process (and so the TorchServe it starts) may use (dlrmkit/cpus.py)."""
     import sys
 
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from dlrm_cpus import available_cpus, cpu_rule
+    from dlrmkit.cpus import available_cpus, cpu_rule
 
     return cpu_rule(available_cpus()).workers
 
@@ -61,7 +61,7 @@ class Server:
         self.log_dir = Path(self.log_dir or self.home / "logs").resolve()
 
     @classmethod
-    def attach(cls, home: Path) -> "Server":
+    def attach(cls, home: Path) -> Server:
         """The server already started from ``home``: its ports, model store and keys, from the
         properties file ``start`` wrote there (rollout.py and ``serve.py ready`` use this)."""
         props = Path(home) / "config.properties"
@@ -72,7 +72,7 @@ class Server:
                    log_dir=Path(logs.read_text()) if logs.is_file() else None)
 
     @classmethod
-    def on_free_ports(cls, home: Path, **kw) -> "Server":
+    def on_free_ports(cls, home: Path, **kw) -> Server:
         """A server whose every port is a free loopback port, for tests and benchmarks."""
         ports = {
             "inference_address": f"http://127.0.0.1:{free_port()}",
@@ -133,7 +133,7 @@ class Server:
         path.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
         return path
 
-    def start(self) -> "Server":
+    def start(self) -> Server:
         """Start in the background; output goes to logs/ (never a pipe: the daemon keeps it open)."""
         (self.home / "tmp").mkdir(parents=True, exist_ok=True)
         try:

@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from dlrm_config import DLRMConfig  # noqa: E402
+from dlrmkit.config import DLRMConfig  # noqa: E402
 from dlrm_factory import DLRMFactory  # noqa: E402
 
 TINY = {

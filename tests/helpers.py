@@ -85,8 +85,8 @@ def scrape(srv, model: str = "dlrm") -> dict[str, float]:
     assert status == 200
     out = {}
     for line in text.decode().splitlines():
-        m = re.match(r'(dlrm_\w+)\{(?:ErrorType="(\w+)",)?ModelName="%s",Level="Model",Hostname="[^"]*",\} (\S+)$'
-                     % re.escape(model), line)
+        m = re.match(r'(dlrm_\w+)\{(?:ErrorType="(\w+)",)?ModelName="' + re.escape(model)
+                     + r'",Level="Model",Hostname="[^"]*",\} (\S+)$', line)
         if m:
             out[m.group(1) + (f"[{m.group(2)}]" if m.group(2) else "")] = float(m.group(3))
     return out

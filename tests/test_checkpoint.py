@@ -1,4 +1,4 @@
-"""Checkpoint import (dlrm_checkpoint.py, build_mar.py --checkpoint / --write-config) on the tiny model."""
+"""Checkpoint import (dlrmkit/checkpoint.py, build_mar.py --checkpoint / --write-config) on the tiny model."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import yaml
 
 import build_mar
 from conftest import TINY, call, tiny_config, variant
-from dlrm_checkpoint import TABLES, import_checkpoint
-from dlrm_config import DLRMConfig
-from dlrm_errors import ConfigError
+from dlrmkit.checkpoint import TABLES, import_checkpoint
+from dlrmkit.config import DLRMConfig
+from dlrmkit.errors import ConfigError
 from dlrm_factory import DLRMFactory
 
 # dcp.save / load in one process warn that they assume one: that is the point here.
@@ -247,7 +247,7 @@ def test_a_build_checks_the_config_against_feature_order(tmp_path):
     (["user", "item"], False), (["a_0", "b_1"], False), (["cat_0", "cat_00"], False), (["cat_0", "cat_2"], False),
 ])
 def test_only_one_unambiguous_numbered_sequence_gives_the_order(names, expected):
-    from dlrm_checkpoint import numbered
+    from dlrmkit.checkpoint import numbered
 
     assert numbered(names) is expected
 
@@ -266,7 +266,7 @@ def write_verify(path, lines) -> str:
                                                                "numbers, one per row"),
 ])
 def test_a_verify_file_is_checked_line_by_line(tmp_path, lines, message):
-    from dlrm_checkpoint import read_verify_file
+    from dlrmkit.checkpoint import read_verify_file
 
     path = write_verify(tmp_path / "v.jsonl", lines)
     with pytest.raises(ConfigError) as exc:

@@ -147,7 +147,8 @@ def served(image, layout, runtime_args):
 
 
 def reference(rows: list[dict]) -> np.ndarray:
-    from dlrm_core import RequestParser, collate, scores
+    from dlrmkit.batch import collate, scores
+    from dlrmkit.forms import RequestParser
     from dlrm_factory import DLRMFactory
 
     config = tiny_config()
@@ -236,8 +237,9 @@ def test_sigterm_under_load_answers_every_accepted_request_and_exits_0(image, la
 
 
 def test_default_docker_run_serves_the_readme_seed_request(image):
-    from dlrm_config import DLRMConfig
-    from dlrm_core import RequestParser, collate, scores
+    from dlrmkit.config import DLRMConfig
+    from dlrmkit.batch import collate, scores
+    from dlrmkit.forms import RequestParser
     from dlrm_factory import DLRMFactory
 
     body = (ROOT / "sample_requests" / "seed_single.json").read_bytes()

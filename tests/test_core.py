@@ -10,7 +10,8 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from conftest import tiny_config
-from dlrm_core import RequestParser, collate, response_body, scores
+from dlrmkit.batch import collate, scores
+from dlrmkit.forms import RequestParser, response_body
 from helpers import DENSE, body, instance
 
 
@@ -148,7 +149,7 @@ def test_response_body_shape():
 
 def columns(dense, **bags):
     """ParsedRequest.columnar from plain lists: columns([[..5..], [..5..]], feature_0=([2, 1], [3, 4, 5]))."""
-    from dlrm_core import ParsedRequest
+    from dlrmkit.request import ParsedRequest
 
     idx = {"feature_0": 0, "feature_1": 1, "feature_2": 2}
     return ParsedRequest.columnar(
@@ -176,7 +177,7 @@ def test_columnar_rows_score_like_the_same_instances_in_one_batch(parser, model,
     ({"feature_0": ([1, 1], [3, -2])}, "feature_0.values[1]: expected a non-negative integer, got -2"),
 ])
 def test_columnar_rejections_name_the_field(bags, message):
-    from dlrm_errors import BadRequest
+    from dlrmkit.errors import BadRequest
 
     with pytest.raises(BadRequest) as info:
         columns([DENSE, DENSE], **bags)

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from dlrm_cpus import Placement, available_cpus, cpu_rule, torch_threads
+from dlrmkit.cpus import Placement, available_cpus, cpu_rule, torch_threads
 
 
 def tree(tmp_path, proc: str, files: dict[str, str]):

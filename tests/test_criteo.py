@@ -15,16 +15,16 @@ import numpy as np
 import pytest
 import torch
 
-import dlrm_criteo
+from dlrmkit import criteo
 from conftest import FakeContext
-from dlrm_config import DLRMConfig
-from dlrm_errors import BadRequest, ConfigError
+from dlrmkit.config import DLRMConfig
+from dlrmkit.errors import BadRequest, ConfigError
 from dlrm_factory import DLRMFactory
 
 TSV = "text/tab-separated-values"
 ROWS = [7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53] * 2  # 26 small tables, ids folded
 CRITEO = {
-    "num_dense_features": 13, "sparse_features": list(dlrm_criteo.CAT_NAMES), "num_embeddings": ROWS[:26],
+    "num_dense_features": 13, "sparse_features": list(criteo.CAT_NAMES), "num_embeddings": ROWS[:26],
     "embedding_dim": 4, "dense_arch_layer_sizes": [8, 4], "over_arch_layer_sizes": [8, 1], "seed": 5,
     "id_overflow": "modulo", "max_instances_per_request": 64, "raw_input": "criteo_tsv", "dense_shift": 5,
 }
@@ -73,19 +73,19 @@ def files(tmp_path_factory):
 def test_the_transform_is_torchrecs(files):
     for path, dataset, lines in files:
         dense, ids = torchrec_rows(path, dataset)
-        shift, n = dlrm_criteo.fit_dense_shift(path, chunk_bytes=4096)  # many chunks
+        shift, n = criteo.fit_dense_shift(path, chunk_bytes=4096)  # many chunks
         assert (shift, n) == (2 - MIN_DENSE, len(lines))
-        parsed = dlrm_criteo.parse("\n".join(lines).encode())
-        ours, clipped = dlrm_criteo.dense_features(parsed.dense, shift)
+        parsed = criteo.parse("\n".join(lines).encode())
+        ours, clipped = criteo.dense_features(parsed.dense, shift)
         assert clipped == 0 and ours.dtype == np.float32
         assert np.array_equal(ours, dense)  # bit for bit
         assert np.array_equal(parsed.ids % np.array(ROWS[:26]), ids)
-        assert np.array_equal(dlrm_criteo.read_file(path, chunk_bytes=1000).dense, parsed.dense)
+        assert np.array_equal(criteo.read_file(path, chunk_bytes=1000).dense, parsed.dense)
 
 
 def test_below_the_training_minimum_is_clipped_never_nan():
     raw = np.array([[-4, -100, -2**31] + [MIN_DENSE] * 10])
-    dense, clipped = dlrm_criteo.dense_features(raw, 2 - MIN_DENSE)
+    dense, clipped = criteo.dense_features(raw, 2 - MIN_DENSE)
     assert clipped == 3 and np.isfinite(dense).all()
     assert np.array_equal(dense, np.full((1, 13), np.log(np.float32(2)), dtype=np.float32))
 
@@ -112,7 +112,7 @@ GOOD = "\t".join(["1"] * 13 + ["a"] * 26)
 ])
 def test_a_bad_line_is_named_by_line_and_field(body, message):
     with pytest.raises(BadRequest) as e:
-        dlrm_criteo.parse(dlrm_criteo.to_bytes(body))
+        criteo.parse(criteo.to_bytes(body))
     assert e.value.message == message
 
 
@@ -151,7 +151,7 @@ def run(handler, bodies, content_types):
 def columns(dense: np.ndarray, ids: np.ndarray) -> str:
     """The rows as the JSON columns form (already-transformed features)."""
     return json.dumps({"columns": {"dense": dense.tolist(),
-                                   "sparse": {f: {"values": ids[:, j].tolist()} for j, f in enumerate(dlrm_criteo.CAT_NAMES)}}})
+                                   "sparse": {f: {"values": ids[:, j].tolist()} for j, f in enumerate(criteo.CAT_NAMES)}}})
 
 
 def test_a_raw_line_scores_as_its_json_row_and_bad_lines_fail_alone(criteo_handler, files):

@@ -1,5 +1,5 @@
 """Integration: raw Criteo lines from training to a real TorchServe. scripts/train.py trains on a
-TSV file through dlrm_criteo (the handler's own transform); build_mar.py --fit-dense-shift writes
+TSV file through dlrmkit.criteo (the handler's own transform); build_mar.py --fit-dense-shift writes
 the config; the server scores the held-out raw lines as the trainer did, scores every raw line as
 torchrec's preprocessed row sent as JSON, with lines of one request and of concurrent requests
 sharing batches, and answers bad lines 400 without failing the good traffic beside them."""
@@ -10,7 +10,6 @@ import json
 import random
 import subprocess
 import sys
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np

@@ -82,7 +82,7 @@ def test_broken_archives_are_refused_naming_the_file(rows):
     assert not failed_checks(r)
     regs = r["registrations"]
     assert "dlrm-truncated.mar: not a model archive" in regs["truncated"]["message"]
-    assert "its worker failed to start: dlrm_errors.ConfigError: " in regs["corrupt dlrm.pt"]["message"]
+    assert "its worker failed to start: dlrmkit.errors.ConfigError: " in regs["corrupt dlrm.pt"]["message"]
     assert "dlrm.pt: not a torch state_dict file" in regs["corrupt dlrm.pt"]["message"]
 
 

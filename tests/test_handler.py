@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from conftest import TINY, FakeContext, call
-from dlrm_core import RequestParser, collate, scores
-from dlrm_errors import ConfigError
+from dlrmkit.batch import collate, scores
+from dlrmkit.forms import RequestParser
+from dlrmkit.errors import ConfigError
 from helpers import DENSE, body, instance
 
 
@@ -146,7 +147,8 @@ def test_build_script_makes_a_mar_with_manifest(tmp_path, model, weights):
     assert manifest["model"]["handler"] == "dlrm_handler.py"
     assert manifest["model"]["serializedFile"] == "dlrm.pt"
     assert manifest["model"]["configFile"] == "tiny.yaml"
-    assert {"dlrm_handler.py", "dlrm_factory.py", "dlrm_core.py", "dlrm_config.py", "dlrm_errors.py",
+    assert {"dlrm_handler.py", "dlrm_factory.py", "dlrmkit/batch.py", "dlrmkit/config.py", "dlrmkit/errors.py",
+            "dlrmkit/request.py", "dlrmkit/schema.py", "dlrmkit/forms.py", "dlrmkit/protocols.py", "dlrmkit/criteo.py",
             "tiny.yaml", "dlrm.pt"} <= names
     archived = torch.load(tmp_path / "x" / "dlrm.pt", weights_only=True)
     for k, v in model.state_dict().items():  # tables as the fused kernel's rows: the fp32 bytes

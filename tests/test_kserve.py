@@ -126,7 +126,7 @@ def test_binary_int64_single_hot_is_read_whole_and_matches_the_general_path(hand
     """The usual binary request is read in a few array operations (_binary_single_hot); every
     other layout (dense between the id inputs, INT32 ids, JSON data) takes the input-by-input
     path. Both give the same scores and the same messages."""
-    from dlrm_kserve import _INFER, _binary_single_hot
+    from dlrmkit.protocols import _INFER, _binary_single_hot
 
     def fast(inputs):
         raw, n = binary(inputs)
@@ -240,8 +240,8 @@ def test_grpc_and_in_process_requests_keep_the_predictions_formats(handler):
 def test_model_metadata_describes_a_request_the_parser_takes(config):
     """The inputs the OIP plugin serves (from the archive's oip-metadata.json) build a v2
     request the handler's parser reads: every listed input, with its datatype and shape."""
-    from dlrm_core import RequestParser
-    from dlrm_kserve import OIPv2, model_metadata
+    from dlrmkit.forms import RequestParser
+    from dlrmkit.protocols import OIPv2, model_metadata
 
     meta = model_metadata(config)
     assert [i["name"] for i in meta["inputs"]] == ["dense", *config.sparse_features]

@@ -10,7 +10,6 @@ import asyncio
 import json
 import subprocess
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -44,7 +43,8 @@ V2_JSON = {
 @pytest.fixture(scope="module")
 def reference():
     """The two rows' scores from the in-process model the archive was built from."""
-    from dlrm_core import RequestParser, collate, scores
+    from dlrmkit.batch import collate, scores
+    from dlrmkit.forms import RequestParser
     from dlrm_factory import DLRMFactory
 
     config = tiny_config()
@@ -102,7 +102,10 @@ def rest(srv, path: str, body: bytes, headers=None):
     return status, raw, {k.lower(): v for k, v in hdrs.items()}
 
 
-def triton(srv, binary: bool, rows=DENSE_ROWS, f0=(np.array([2, 1]), np.array([3, 4, 5]))):
+F0 = (np.array([2, 1]), np.array([3, 4, 5]))  # feature_0's lengths and values of the two rows
+
+
+def triton(srv, binary: bool, rows=DENSE_ROWS, f0=F0):
     """tritonclient.http: binary inputs and outputs by default, JSON with binary=False."""
     import tritonclient.http as httpclient
 
@@ -283,8 +286,8 @@ def test_tritonclient_single_hot_request_is_read_whole_and_scores_as_its_rows(se
     feature, binary) has the layout of the parser's whole-tail path (_binary_single_hot), and
     over a real TorchServe it scores as the same rows sent to /predictions."""
     import tritonclient.http as httpclient
-    from dlrm_core import RequestParser
-    from dlrm_kserve import _INFER, _binary_single_hot
+    from dlrmkit.forms import RequestParser
+    from dlrmkit.protocols import _INFER, _binary_single_hot
 
     tensors = {"dense": DENSE_ROWS, "feature_2": np.array([1, 0], np.int64), "feature_0": np.array([[3], [5]], np.int64)}
     inputs = []

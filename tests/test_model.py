@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY, tiny_config
-from dlrm_config import DLRMConfig
-from dlrm_errors import ConfigError
+from dlrmkit.config import DLRMConfig
+from dlrmkit.errors import ConfigError
 from dlrm_factory import DLRMFactory
 
 

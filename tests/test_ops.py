@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, TINY, FakeContext, call
-from dlrm_config import DLRMConfig
+from dlrmkit.config import DLRMConfig
 from helpers import DENSE, body, instance
 
 PHASES = ("dlrm_preprocess_ms_total", "dlrm_inference_ms_total", "dlrm_postprocess_ms_total")

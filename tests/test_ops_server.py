@@ -181,7 +181,7 @@ def test_rollout_to_a_broken_archive_fails_cleanly(server, tmp_path, capsys):
         assert rollout.main(["--home", str(server.home), "--archive", archive, "--timeout", "120"]) == 1, why
         err = capsys.readouterr().err
         assert f"dlrm {serving} is still serving" in err, (why, err)
-        assert ("register dlrm-unloadable.mar: its worker failed to start: dlrm_errors.ConfigError: "
+        assert ("register dlrm-unloadable.mar: its worker failed to start: dlrmkit.errors.ConfigError: "
                 if why == "unloadable" else "verify 3.0: the probe got HTTP 400") in err, (why, err)
         assert versions(server) == before, why  # nothing half-registered is left behind
         assert default_version(server) == serving

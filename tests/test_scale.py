@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY, FakeContext, call, tiny_config
-from dlrm_config import DLRMConfig
-from dlrm_errors import ConfigError
+from dlrmkit.config import DLRMConfig
+from dlrmkit.errors import ConfigError
 from dlrm_factory import DLRMFactory
-from dlrm_scale import EBC, quantize, shard, sharded_placement, table_bytes, worker_devices
+from dlrmkit.scale import EBC, quantize, shard, sharded_placement, table_bytes, worker_devices
 from helpers import DENSE, archive, batch, body, forward, instance, mapped_file
 
 QUANTIZED = ["fp16", "int8", "int4"]
@@ -126,7 +126,7 @@ def test_build_mar_quantizes_a_checkpoint(tmp_path, model, weights):
                           "--output-dir", str(tmp_path / "store")])
     with zipfile.ZipFile(mar) as z:
         z.extract("dlrm.pt", tmp_path / "x")
-        assert "dlrm_scale.py" in z.namelist()
+        assert "dlrmkit/scale.py" in z.namelist()
     state = torch.load(tmp_path / "x" / "dlrm.pt", mmap=True, weights_only=True)
     assert state[EBC + "embedding_bags.feature_0.weight"].dtype == torch.uint8
     dense, kjt = batch()
@@ -249,7 +249,7 @@ def test_worker_devices(gpu_id, yaml, count, env, want):
 # --- sizing -----------------------------------------------------------------------------------
 
 def test_table_bytes_match_what_the_kernels_allocate():
-    from dlrm_scale import quant_ebc
+    from dlrmkit.scale import quant_ebc
 
     f = DLRMFactory(tiny_config())
     for dtype in QUANTIZED:
@@ -309,7 +309,7 @@ def test_ten_million_row_int8_table_is_served_without_its_fp32_copy(tmp_path):
     subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
         import sys, json, torch
         sys.path[:0] = [{str(ROOT)!r}]
-        from dlrm_config import DLRMConfig
+        from dlrmkit.config import DLRMConfig
         from dlrm_factory import DLRMFactory
         f = DLRMFactory(DLRMConfig.from_dict(json.loads({json.dumps(section)!r})))
         torch.save(f.archive_state(f.random()), {str(tmp_path / "dlrm.pt")!r})

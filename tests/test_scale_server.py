@@ -10,8 +10,9 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from dlrm_config import DLRMConfig
-from dlrm_core import RequestParser, collate, scores
+from dlrmkit.config import DLRMConfig
+from dlrmkit.batch import collate, scores
+from dlrmkit.forms import RequestParser
 from dlrm_factory import DLRMFactory
 from helpers import wait_until
 from tsctl import Server, post

@@ -144,8 +144,8 @@ def test_every_variant_imports_to_the_trained_models_scores(tmp_path, interactio
     import torch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from dlrm_checkpoint import import_checkpoint
-    from dlrm_config import DLRMConfig
+    from dlrmkit.checkpoint import import_checkpoint
+    from dlrmkit.config import DLRMConfig
     from dlrm_factory import DLRMFactory
 
     subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "--out", str(tmp_path), "--world-size", "1",

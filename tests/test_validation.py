@@ -10,8 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_config
-from dlrm_core import RequestParser, collate
-from dlrm_errors import RequestError
+from dlrmkit.batch import collate
+from dlrmkit.forms import RequestParser
+from dlrmkit.errors import RequestError
 from helpers import DENSE, instance
 
 OK = instance(DENSE, feature_0=[1], feature_1=[2, 3], feature_2=[4])

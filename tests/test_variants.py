@@ -13,10 +13,10 @@ import torch
 from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRM_Projection
 
 from conftest import ROOT, TINY, FakeContext, call, tiny_config, variant
-from dlrm_config import INTERACTIONS, DLRMConfig
-from dlrm_errors import ConfigError
+from dlrmkit.config import INTERACTIONS, DLRMConfig
+from dlrmkit.errors import ConfigError
 from dlrm_factory import DLRMFactory
-from dlrm_scale import EBC, quantize, sharded_placement
+from dlrmkit.scale import EBC, quantize, sharded_placement
 from helpers import archive, batch, body, forward, instance, mapped_file
 
 VARIANTS = list(INTERACTIONS)

@@ -13,8 +13,9 @@ import pytest
 import yaml
 
 from conftest import ROOT, variant
-from dlrm_config import DLRMConfig
-from dlrm_core import RequestParser, collate, scores
+from dlrmkit.config import DLRMConfig
+from dlrmkit.batch import collate, scores
+from dlrmkit.forms import RequestParser
 from dlrm_factory import DLRMFactory
 from helpers import instance, metrics_delta, settled
 from tsctl import Server, post

@@ -38,8 +38,10 @@ from typing import Callable
 
 import torch
 
-from dlrm_config import DLRMConfig
-from dlrm_errors import ConfigError
+from dlrmkit.config import DLRMConfig
+from dlrmkit.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository: the shipped model-config.yaml, metrics.yaml
 
 PREFIXES = ("model.", "module.", "_dmp_wrapped_module.")
 PARTS = ("sparse_arch.", "dense_arch.", "inter_arch.", "over_arch.")  # a torchrec DLRM's children
@@ -61,7 +63,7 @@ class Checkpoint:
     @property
     def tables(self) -> dict[str, tuple[int, int]]:
         """Table name -> (rows, D), in the checkpoint's order (a DCP directory keeps none: natural sort)."""
-        return {k[len(TABLES):-len(".weight")]: tuple(s) for k, (s, _) in self.shapes.items()
+        return {k[len(TABLES):-len(".weight")]: (s[0], s[1]) for k, (s, _) in self.shapes.items()
                 if k.startswith(TABLES) and k.endswith(".weight")}
 
     @property
@@ -74,7 +76,7 @@ class Checkpoint:
     def load(self, keys: dict[str, str]) -> dict[str, torch.Tensor]:
         """``{new_key: tensor}`` for ``keys = {new_key: key}``."""
         if not self.kind.startswith("DCP"):
-            return {new: self._source[old] for new, old in keys.items()}
+            return {new: self._source[old] for new, old in keys.items()}  # type: ignore[misc]  # tensors here
         import torch.distributed.checkpoint as dcp
 
         # Full-size targets, filled in place shard by shard: DCP reshards whatever the ranks wrote.
@@ -370,7 +372,7 @@ def config_text(ckpt: Checkpoint, handler: dict, derived: list[str], assumed: li
 
     c = DLRMConfig.from_dict(handler)
     weights_mb = sum(c.num_embeddings) * c.embedding_dim * 4 / 1e6
-    shipped = yaml.safe_load((Path(__file__).resolve().parent / "model-config.yaml").read_text())
+    shipped = yaml.safe_load((ROOT / "model-config.yaml").read_text())
     top = {k: shipped[k] for k in ("minWorkers", "maxWorkers", "batchSize", "maxBatchDelay") if k in shipped}
     top.update(startupTimeout=max(120, math.ceil(2 * (30 + weights_mb / 100))),
                responseTimeout=max(60, math.ceil(10 * (5 + weights_mb / 100))))
@@ -411,7 +413,7 @@ def _shape(ckpt: Checkpoint, key: str) -> tuple[int, ...]:
 
 def _mlp(ckpt: Checkpoint, prefix: str) -> list[int]:
     """Output sizes of torchrec's MLP layers ``<prefix>.<i>._linear.weight [out, in]``."""
-    sizes = []
+    sizes: list[int] = []
     while f"{prefix}.{len(sizes)}._linear.weight" in ckpt.shapes:
         sizes.append(ckpt.shapes[f"{prefix}.{len(sizes)}._linear.weight"][0][0])
     if not sizes:
@@ -487,16 +489,22 @@ def verify_archive(mar: str | Path, path: str | Path, tolerance: float = 1e-5,
         with zipfile.ZipFile(mar) as z:
             z.extractall(model_dir)
         requests.write_text(json.dumps([d["request"] for d in lines]))
-        child = (f"import sys; sys.path[:0] = [{str(model_dir)!r}]; sys.path.append({str(Path(__file__).parent)!r}); "
-                 f"import dlrm_checkpoint as c; c._score_as_worker(*sys.argv[1:])")
+        # The archive's own code first (its dlrmkit/ holds this module too); the repository's
+        # metrics.yaml, which the archive does not carry, passed along.
+        child = (f"import sys; sys.path[:0] = [{str(model_dir)!r}]; "
+                 f"from dlrmkit import checkpoint as c; c._score_as_worker(*sys.argv[1:])")
         # The child's output is the worker's log; shown only when it fails.
-        run = subprocess.run([sys.executable, "-c", child, str(model_dir), str(requests), str(answers)],
+        run = subprocess.run([sys.executable, "-c", child, str(model_dir), str(requests), str(answers),
+                              str(ROOT / "metrics.yaml")],
                              cwd=model_dir, capture_output=True, text=True)
         if run.returncode != 0:
             raise ConfigError(f"--verify: the archive did not load or score as a worker "
                               f"(exit {run.returncode}):\n{run.stderr[-3000:]}")
         answers = json.loads(answers.read_text())
-    deltas, served_all, trainer_all, labels_all = [], [], [], []  # deltas: (|d|, line, row, served, trainer)
+    deltas: list[tuple] = []  # (|d|, line, row, served, trainer)
+    served_all: list[float] = []
+    trainer_all: list[float] = []
+    labels_all: list[int] = []
     for doc, (status, body) in zip(lines, answers):
         where = f"--verify {path}, line {doc['line']}"
         if status != 200:
@@ -529,7 +537,7 @@ def auc(scores, labels) -> float:
     return float(binary_auroc(torch.as_tensor(scores, dtype=torch.float64), torch.as_tensor(labels).long()))
 
 
-def _score_as_worker(model_dir: str, requests: str, answers: str) -> None:
+def _score_as_worker(model_dir: str, requests: str, answers: str, metrics_yaml: str) -> None:
     """In ``verify_archive``'s child: load ``model_dir`` with TorchServe's model loader, as
     ``ts.model_service_worker`` does, and answer each request of ``requests`` through the service's
     entry point with the context TorchServe builds, ``batchSize`` requests per call; writes
@@ -541,7 +549,7 @@ def _score_as_worker(model_dir: str, requests: str, answers: str) -> None:
 
     manifest = json.loads((Path(model_dir) / "MAR-INF" / "MANIFEST.json").read_text())["model"]
     batch_size = int(get_yaml_config(str(Path(model_dir) / manifest["configFile"])).get("batchSize") or 1)
-    metrics = MetricsCacheYamlImpl(config_file_path=str(Path(__file__).resolve().parent / "metrics.yaml"))
+    metrics = MetricsCacheYamlImpl(config_file_path=metrics_yaml)
     metrics.initialize_cache()
     service = ModelLoaderFactory.get_model_loader().load(
         manifest["modelName"], model_dir, manifest["handler"], None, batch_size, None, True, metrics)

@@ -13,12 +13,12 @@ from typing import Any, Mapping
 
 import yaml
 
-from dlrm_errors import ConfigError
+from dlrmkit.errors import ConfigError
 
 POOLINGS = ("sum", "mean")
 OUTPUTS = ("probability", "logit")
 ID_OVERFLOW = ("error", "modulo")
-RAW_INPUTS = ("criteo_tsv",)  # handler.raw_input: request forms of untransformed features (dlrm_criteo)
+RAW_INPUTS = ("criteo_tsv",)  # handler.raw_input: request forms of untransformed features (dlrmkit.criteo)
 EMBEDDING_DTYPES = ("fp32", "fp16", "int8", "int4")  # torchrec's inference quantization, all run on CPU
 # handler.interaction -> the keys only that variant takes (torchrec's DLRM, DLRM_DCN, DLRM_Projection)
 INTERACTIONS = {
@@ -67,13 +67,13 @@ class DLRMConfig:
     # sparse_features order or a mapping feature -> table. The archive names tables after features.
     table_names: tuple[tuple[str, str], ...] = ()
     # criteo_tsv: a text/tab-separated-values request is Criteo log lines, transformed in the
-    # handler as torchrec's tsv_to_npys did for training (dlrm_criteo.py): dense ln(x + dense_shift),
+    # handler as torchrec's tsv_to_npys did for training (dlrmkit/criteo.py): dense ln(x + dense_shift),
     # with dense_shift = 2 - (the training file's minimum dense value); ids by id_overflow.
     raw_input: str | None = None
     dense_shift: float | None = None
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any] | None) -> "DLRMConfig":
+    def from_dict(cls, raw: Mapping[str, Any] | None) -> DLRMConfig:
         """Validate a ``handler:`` mapping; every message names the key and shows a valid value."""
         if not isinstance(raw, Mapping):
             raise ConfigError(
@@ -171,7 +171,7 @@ class DLRMConfig:
         return cls(**values)
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "DLRMConfig":
+    def from_yaml(cls, path: str | Path) -> DLRMConfig:
         """Read the ``handler:`` section of a model-config.yaml file."""
         path = Path(path)
         try:

@@ -22,7 +22,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from dlrm_errors import BadRequest
+from dlrmkit.errors import BadRequest
 
 NUM_DENSE, NUM_CAT = 13, 26  # torchrec.datasets.criteo.INT_FEATURE_COUNT, CAT_FEATURE_COUNT
 DENSE_NAMES = tuple(f"int_{i}" for i in range(NUM_DENSE))  # torchrec's DEFAULT_INT_NAMES

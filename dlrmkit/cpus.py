@@ -78,8 +78,8 @@ def _cgroup_dirs(root: Path, proc_cgroup: Path) -> list[tuple[Path, Path, bool]]
 def _read_quota(d: Path, v2: bool) -> float | None:
     try:
         if v2:
-            quota, period = (d / "cpu.max").read_text().split()[:2]
-            return None if quota == "max" else int(quota) / int(period)
+            max_quota, period = (d / "cpu.max").read_text().split()[:2]
+            return None if max_quota == "max" else int(max_quota) / int(period)
         quota = int((d / "cpu.cfs_quota_us").read_text())
         return None if quota <= 0 else quota / int((d / "cpu.cfs_period_us").read_text())
     except (OSError, ValueError):

@@ -3,10 +3,10 @@
 TorchServe 0.12 routes ``POST /v1/models/<m>:predict`` and ``POST /v2/models/<m>/infer`` to the
 handler like ``/predictions/<m>``. Its own KServe envelopes decode only the first request of a
 batch, so the kit speaks the protocols itself, per request: ``open_request`` picks the protocol,
-the protocol's ``parse`` gives a ``dlrm_core.ParsedRequest`` (so requests of every protocol share
+the protocol's ``parse`` gives a ``dlrmkit.request.ParsedRequest`` (so requests of every protocol share
 one collate and one forward pass), and its ``answer`` / ``error`` give that request's reply.
 
-    Predictions  /predictions/<m> and gRPC Predictions: dlrm_core's formats, unchanged
+    Predictions  /predictions/<m> and gRPC Predictions: dlrmkit.forms's JSON forms, unchanged
     KServeV1     {"instances": [<instance>, ...]}  ->  {"predictions": [s_1, ...]}
     OIPv2        {"inputs": [{"name": "dense", "datatype": "FP32", "shape": [2, 5], "data": [...]},
                              {"name": "feature_0.lengths", "datatype": "INT64", "shape": [2], "data": [2, 1]},
@@ -34,9 +34,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
-import dlrm_criteo
-from dlrm_core import ParsedRequest, RequestParser, error_body, response_body
-from dlrm_errors import BadRequest, PayloadTooLarge, RequestError
+from dlrmkit import criteo
+from dlrmkit.forms import RequestParser, error_body, response_body
+from dlrmkit.request import ParsedRequest
+from dlrmkit.errors import BadRequest, PayloadTooLarge, RequestError
 
 JSON = "application/json"
 BINARY = "application/octet-stream"
@@ -56,7 +57,7 @@ class Reply:
 
 
 class Predictions:
-    """TorchServe's own API (``/predictions/<m>``, gRPC Predictions): dlrm_core's formats."""
+    """TorchServe's own API (``/predictions/<m>``, gRPC Predictions): dlrmkit.forms's JSON forms."""
 
     def __init__(self, body: Any, parser: RequestParser):
         self.body, self.parser = body, parser
@@ -73,7 +74,7 @@ class Predictions:
 
 class CriteoLines(Predictions):
     """``Content-Type: text/tab-separated-values`` on /predictions with ``handler.raw_input:
-    criteo_tsv``: one Criteo log line per row, transformed as in training (dlrm_criteo), answered
+    criteo_tsv``: one Criteo log line per row, transformed as in training (dlrmkit.criteo), answered
     as ``{"scores": [...]}`` like the JSON forms. ``clipped``: the dense values the parse clipped
     to the training minimum (a metric)."""
 
@@ -82,19 +83,19 @@ class CriteoLines(Predictions):
     def parse(self) -> ParsedRequest:
         c = self.parser.config
         if c.raw_input != "criteo_tsv":
-            raise BadRequest(f"Content-Type: {dlrm_criteo.CONTENT_TYPE} is Criteo log lines, which this model "
+            raise BadRequest(f"Content-Type: {criteo.CONTENT_TYPE} is Criteo log lines, which this model "
                              "does not take (handler.raw_input is not set); send JSON with Content-Type: "
                              "application/json")
-        raw = dlrm_criteo.to_bytes(self.body)
-        n = dlrm_criteo.count_lines(raw)
+        raw = criteo.to_bytes(self.body)
+        n = criteo.count_lines(raw)
         if n > c.max_instances_per_request:
             raise PayloadTooLarge(f"body: at most {c.max_instances_per_request} lines per request "
                                   f"(handler.max_instances_per_request), got {n}")
         if n * c.num_features > c.max_ids_per_request:
             raise PayloadTooLarge(f"body: at most {c.max_ids_per_request} ids per request "
                                   f"(handler.max_ids_per_request: {c.num_features} per line), got {n * c.num_features}")
-        lines = dlrm_criteo.parse(raw, c.sparse_features)
-        dense, self.clipped = dlrm_criteo.dense_features(lines.dense, c.dense_shift)
+        lines = criteo.parse(raw, c.sparse_features)
+        dense, self.clipped = criteo.dense_features(lines.dense, c.dense_shift)
         return ParsedRequest.single_hot_matrix(dense, range(c.num_features), np.ascontiguousarray(lines.ids.T),
                                                c.sparse_features)
 
@@ -180,11 +181,11 @@ class OIPv2(KServeV1):
     def _decode(self) -> tuple[_InferRequest, memoryview]:
         """The JSON header as an _InferRequest and the binary tail (empty without the extension)."""
         body = self.body
-        if isinstance(body, dict):  # TorchServe decoded it (decode_input_request=true)
-            try:
-                return msgspec.convert(body, _InferRequest), memoryview(b"")
-            except msgspec.ValidationError as e:
-                raise BadRequest(_v2_message(str(e))) from None
+        if isinstance(body, dict):
+            # TorchServe decoded it (decode_input_request=true, its default): encoded again, as
+            # _Tensor keeps each input's data as raw JSON until its datatype is checked (a dict
+            # converted straight to _InferRequest refused every request; found by fuzzing).
+            body = msgspec.json.encode(body)
         raw = memoryview(body if isinstance(body, (bytes, bytearray)) else str(body).encode())
         n = len(raw) if self.json_length is None else self.json_length
         if n > len(raw):
@@ -235,7 +236,9 @@ def _columns(req: _InferRequest, tail: memoryview, parser: RequestParser) -> Par
             return fast
     arrays: dict[str, np.ndarray] = {}
     offset = 0
-    for t in req.inputs:
+    for i, t in enumerate(req.inputs):
+        if not t.name:  # every message below starts with the input's name (found by fuzzing)
+            raise BadRequest(f'inputs[{i}].name: expected the name of an input, got ""')
         if t.name in arrays:
             raise BadRequest(f"{t.name}: input appears more than once")
         arrays[t.name], offset = _tensor(t, tail, offset)
@@ -400,7 +403,7 @@ def open_request(body: Any, kserve_route: bool, json_length: str | None, parser:
     ``content_type``: its Content-Type (text/tab-separated-values: Criteo lines).
     On a KServe route, a binary header or an ``inputs`` field means v2, anything else v1."""
     if not kserve_route:
-        if content_type and content_type.split(";")[0].strip().lower() == dlrm_criteo.CONTENT_TYPE:
+        if content_type and content_type.split(";")[0].strip().lower() == criteo.CONTENT_TYPE:
             return CriteoLines(body, parser)
         return Predictions(body, parser)
     if json_length is not None:

@@ -1,0 +1,15 @@
+"""The DLRM serving kit's TorchServe-free modules. dlrm_handler.py and dlrm_factory.py stay at
+the archive's root (TorchServe loads them from there) and import these.
+
+A request's way (docs/development.md draws it)::
+
+    protocols  open_request: the request's protocol; its parse / answer / error
+    forms      the /predictions JSON forms (RequestParser), decoded by schema (msgspec)
+    criteo     Criteo TSV lines: the one transform training and serving share
+    request    ParsedRequest: what every protocol parses into
+    batch      collate (dense [B, F_dense] + one KeyedJaggedTensor) and scores (one forward)
+    errors     the error types, each with its HTTP status
+
+and the model's side: config (DLRMConfig, validated), scale (quantized, mmap'd, sharded tables),
+checkpoint (trained checkpoints in), cpus (workers and threads per CPU).
+"""
