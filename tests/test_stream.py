@@ -170,3 +170,50 @@ def test_rows_paged_out_between_requests_come_back_from_disk_with_the_same_score
         after = model(dense, kjt)
     assert torch.equal(before, after)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_majflt > faults
+
+
+# --- sizing's rule for memory-mapped tables larger than memory -----------------------------------
+
+def test_zipf_mass_and_hot_rows_match_the_brute_force_sums():
+    from sizing import hot_rows, zipf_mass
+
+    for s in (0.8, 1.0, 1.05, 1.3):
+        exact = [0.0]
+        for i in range(1, 50_001):
+            exact.append(exact[-1] + i ** -s)
+        assert abs(zipf_mass(50_000, s, exact=100) - exact[-1]) < 1e-6 * exact[-1]
+        for h in (0.3, 0.8, 0.95):
+            k = hot_rows(50_000, s, h)
+            assert exact[k] >= h * exact[-1] > exact[k - 1]
+    assert hot_rows(1000, 1.05, 1.0) == 1000
+
+
+def test_working_set_counts_the_pages_the_hot_rows_scatter_over():
+    from sizing import hot_rows, working_set
+
+    # 1,000 hot rows of 144 bytes among 100,000 pages: ~995 distinct pages, not 144 KB
+    rows = 100_000 * 4096 // 144
+    k = hot_rows(rows, 1.2, 0.9)
+    pages = 100_000
+    assert working_set(rows, 144, 1.2, 0.9) == pytest.approx(pages * (1 - (1 - 1 / pages) ** k) * 4096, rel=1e-3)
+    assert working_set(rows, 144, 1.2, 0.9) > k * 144 * 10  # a page per hot row, not a row
+    assert working_set(rows, 144, 1.05, 1.0) == rows * 144  # every row: the whole table
+    assert working_set(10, 144, 1.05, 0.5) == 1440  # never more than the table
+    # a higher hit rate or a flatter law needs more
+    assert working_set(rows, 144, 1.05, 0.8) < working_set(rows, 144, 1.05, 0.9) < working_set(rows, 144, 0.9, 0.9)
+
+
+def test_sizing_no_longer_says_zero_workers_for_the_full_dlrmv2_at_int8(capsys):
+    import sizing
+
+    from conftest import ROOT
+
+    rep = sizing.main(["--config", str(ROOT / "model-config.dlrmv2.yaml"), "--memory", "24GiB", "--cpus", "2",
+                       "--json"])
+    full = rep["full"]["dtypes"]["int8"]
+    assert full["table_bytes"] > 24 * 2**30 and full["workers_shared"] == 0  # the tables do not fit
+    assert full["working_set_bytes"] < 24 * 2**30 and full["workers_paged"] >= 1
+    assert full["workers_paged"] == (24 * 2**30 - full["working_set_bytes"]) // (rep["dense_bytes"] + 450 * 2**20)
+    # resident int4 keeps the shared rule
+    int4 = rep["full"]["dtypes"]["int4"]
+    assert int4["workers_paged"] == int4["workers_shared"] >= 1
