@@ -217,3 +217,38 @@ def test_sizing_no_longer_says_zero_workers_for_the_full_dlrmv2_at_int8(capsys):
     # resident int4 keeps the shared rule
     int4 = rep["full"]["dtypes"]["int4"]
     assert int4["workers_paged"] == int4["workers_shared"] >= 1
+
+
+def test_a_file_the_commit_limit_refuses_to_map_privately_loads_read_only(tmp_path, monkeypatch):
+    """torch.load(mmap=True) maps copy-on-write, which Linux charges in full to the commit limit:
+    a file larger than memory fails with ENOMEM. The factory then maps it read-only (charged
+    nothing) and scores the same; the tables then are read-only pages of the file."""
+    config = tiny_config(embedding_dtype="int8", num_embeddings=[5000, 30, 40])
+    path = tmp_path / "dlrm.pt"
+    dlrm_stream.write_weights(path, config, dlrm_stream.RandomSource(config), log=lambda _: None)
+    dense, kjt = batch(64)
+    with torch.no_grad():
+        want = DLRMFactory(config).load(path)(dense, kjt)
+    real_load = torch.load
+
+    def refuse(f, *a, **kw):
+        if kw.get("mmap"):
+            raise RuntimeError(f"unable to mmap {os.path.getsize(f)} bytes from file <{f}>: Cannot allocate memory (12)")
+        return real_load(f, *a, **kw)
+
+    monkeypatch.setattr(torch, "load", refuse)
+    model = DLRMFactory(config).load(path)
+    with torch.no_grad():
+        assert torch.equal(model(dense, kjt), want)
+    buf = model.sparse_arch.embedding_bag_collection._emb_modules[0].weights_host
+    maps = open("/proc/self/maps").read().splitlines()
+    (line,) = [ln for ln in maps if int(ln.split("-")[0], 16) <= buf.data_ptr() < int(ln.split()[0].split("-")[1], 16)]
+    assert line.split()[1].startswith("r--") and line.endswith(str(path))
+
+
+def test_the_placeholder_buffer_of_a_lazy_kernel_commits_no_memory():
+    from dlrm_scale import _uncommitted
+
+    buf = _uncommitted(3 << 30)
+    assert buf.numel() == 3 << 30 and buf.dtype == torch.uint8
+    assert int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") < 3 << 30
