@@ -81,8 +81,21 @@ class _NoHostZeroFill(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.zeros and kwargs.get("dtype") == torch.uint8 and args and isinstance(args[0], int) \
                 and args[0] >= _LAZY_MIN_BYTES and torch.device(kwargs.get("device") or "cpu").type == "cpu":
-            return torch.empty(*args, **kwargs)
+            try:
+                return torch.empty(*args, **kwargs)
+            except RuntimeError:  # more than the commit limit allows (tables larger than memory)
+                return _uncommitted(args[0])
         return func(*args, **kwargs)
+
+
+def _uncommitted(nbytes: int) -> torch.Tensor:
+    """A uint8 buffer of ``nbytes`` that reserves no memory (MAP_NORESERVE): a placeholder that
+    ``adopt_tables`` replaces before a page of it is touched."""
+    import mmap
+
+    noreserve = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value; Python 3.11 does not name it
+    placeholder = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | noreserve)
+    return torch.frombuffer(placeholder, dtype=torch.uint8)
 
 
 def quant_ebc(tables: Sequence[EmbeddingBagConfig], device: torch.device, lazy: bool = False):
@@ -246,3 +259,33 @@ def worker_devices(gpu_id: Any, model_yaml: Mapping[str, Any] | None, cuda_count
         n = min(level, cuda_count, len(visible.split(",")) if visible else cuda_count)
         return [torch.device(f"cuda:{i}") for i in range(n)]
     return [torch.device(f"cuda:{int(gpu_id)}")]
+
+
+_MAPPINGS: list = []  # read-only mappings handed to torch: alive as long as the worker
+
+
+def load_read_only(path: str | os.PathLike, random_access: bool = True) -> dict:
+    """``torch.load(path, mmap=True, weights_only=True)`` over a read-only mapping of the file.
+
+    torch maps a file copy-on-write (MAP_PRIVATE, writable), which Linux charges in full to the
+    commit limit: under the default heuristic overcommit a file larger than memory cannot be
+    mapped at all ("Cannot allocate memory"). A read-only mapping is charged nothing; the
+    tables are only ever read (a stray write faults instead of changing the file).
+    ``random_access``: MADV_RANDOM, so a fault reads its page, not a read-ahead window of
+    neighbours no lookup asked for (table rows are looked up at random).
+    """
+    import mmap
+    import warnings
+
+    from torch.serialization import _load, _open_zipfile_reader, _weights_only_unpickler
+
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if random_access:
+        mapped.madvise(mmap.MADV_RANDOM)
+    _MAPPINGS.append(mapped)
+    with warnings.catch_warnings():  # "The given buffer is not writable": that is the point
+        warnings.simplefilter("ignore", UserWarning)
+        storage = torch.frombuffer(mapped, dtype=torch.uint8).untyped_storage()
+    with _open_zipfile_reader(os.fspath(path)) as zip_file:
+        return _load(zip_file, "cpu", _weights_only_unpickler, overall_storage=storage, encoding="utf-8")

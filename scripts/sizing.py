@@ -17,6 +17,15 @@ Workers per budget, two rules:
             and each extra worker costs only its process (worker = --worker-overhead; see
             bench/bench_scale.py for a measurement)
 
+  paged     when the tables do not fit beside the workers, the memory-mapped tables are a page
+            cache over the disk: what must stay resident is the working set for a hit rate
+            (--hit-rate of lookups served from memory), not the whole table. Ids are taken to
+            follow a power law (Zipf, exponent --zipf) over each table's rows, with the hot rows
+            scattered over the file (hashed ids), so the working set is the pages holding the
+            table's hottest rows covering --hit-rate of its lookups: working_set(); then
+            floor((budget - working set) / (dense + worker)) workers, and every byte beyond the
+            workers caches more of the tables (a higher hit rate than asked).
+
 Workers for --cpus CPUs (default: the CPUs this process may use: affinity capped by the cgroup
 CPU quota, dlrmkit.cpus.available_cpus): the CPU rule's count (one single-threaded worker per CPU,
 dlrmkit.cpus.cpu_rule), capped by what fits the budget (the shared rule on CPU), and the memory
@@ -63,26 +72,76 @@ def human(n: float) -> str:
     return str(n)
 
 
-def report(config, budget: int, worker: int, base_s: float, disk_mbps: float, cpus: int | None = None) -> dict:
+PAGE = 4096
+
+
+def zipf_mass(k: float, s: float, exact: int = 2000) -> float:
+    """sum_{i=1..k} i^-s: exact up to ``exact`` terms, then Euler-Maclaurin's integral (error
+    below 1e-9 of the sum for the table sizes here)."""
+    k = float(k)
+    head = min(int(k), exact)
+    total = math.fsum(i ** -s for i in range(1, head + 1))
+    if k > head:
+        a, b = head + 0.5, k + 0.5
+        total += math.log(b / a) if s == 1 else (b ** (1 - s) - a ** (1 - s)) / (1 - s)
+    return total
+
+
+def hot_rows(rows: int, s: float, hit_rate: float) -> int:
+    """The fewest of a table's rows (the most looked-up first) that take ``hit_rate`` of its
+    lookups when the row of rank i is looked up in proportion to i^-s."""
+    if hit_rate >= 1:
+        return rows
+    want = hit_rate * zipf_mass(rows, s)
+    lo, hi = 1, rows
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if zipf_mass(mid, s) >= want:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def working_set(rows: int, row_bytes: int, s: float, hit_rate: float, page: int = PAGE) -> int:
+    """Resident bytes a memory-mapped table needs to serve ``hit_rate`` of its lookups from
+    memory: the pages holding its ``hot_rows``. Hashed ids scatter the hot rows over the file,
+    so k hot rows among P pages touch P (1 - (1 - 1/P)^k) pages on average (every hot row
+    costs a page until the pages fill up), never more than the table."""
+    table = rows * row_bytes
+    pages = max(1, math.ceil(table / page))
+    k = hot_rows(rows, s, hit_rate)
+    touched = pages * -math.expm1(k * math.log1p(-1 / pages)) if pages > 1 else 1
+    return min(table, int(math.ceil(touched)) * page)
+
+
+def report(config, budget: int, worker: int, base_s: float, disk_mbps: float, cpus: int | None = None,
+           hit_rate: float = 0.9, zipf: float = 1.05) -> dict:
     from dlrmkit.config import EMBEDDING_DTYPES
     from dlrmkit.scale import table_bytes
 
     c = config
     dense = 4 * _dense_params(c)
     out = {"budget_bytes": budget, "worker_overhead_bytes": worker, "dense_bytes": dense,
-           "tables": [], "dtypes": {}}
+           "hit_rate": hit_rate, "zipf": zipf, "tables": [], "dtypes": {}}
     for name, rows in zip(c.sparse_features, c.num_embeddings):
         out["tables"].append({"name": name, "rows": rows,
                               **{d: table_bytes(rows, c.embedding_dim, d) for d in EMBEDDING_DTYPES}})
     for d in EMBEDDING_DTYPES:
         tables = sum(t[d] for t in out["tables"])
         per_worker = dense + worker
+        row = table_bytes(1, c.embedding_dim, d) if d == "fp32" else _row(c.embedding_dim, d)
+        ws = sum(working_set(t["rows"], row, zipf, hit_rate) for t in out["tables"])
+        shared = max(0, (budget - tables) // per_worker) if budget > tables else 0
         startup = 1.5 * (base_s + tables / (disk_mbps * 1e6))
         out["dtypes"][d] = {
             "table_bytes": tables,
             "model_bytes": tables + dense,
             "workers_unshared": max(0, budget // (tables + per_worker)),
-            "workers_shared": max(0, (budget - tables) // per_worker) if budget > tables else 0,
+            "workers_shared": shared,
+            # tables that do not fit beside one worker: the page cache holds the working set
+            "working_set_bytes": ws,
+            "workers_paged": shared if shared >= 1 else max(0, (budget - ws) // per_worker) if budget > ws else 0,
             "startup_timeout_s": max(60, int(math.ceil(startup / 10) * 10)),
         }
     if cpus:
@@ -91,9 +150,20 @@ def report(config, budget: int, worker: int, base_s: float, disk_mbps: float, cp
         rule = cpu_rule(cpus)
         d = out["dtypes"][c.embedding_dtype]
         out["cpus"] = {"cpus": cpus, "rule_workers": rule.workers, "torch_threads": rule.threads,
-                       "workers": min(rule.workers, d["workers_shared"]),
-                       "memory_bytes": d["table_bytes"] + rule.workers * (dense + worker)}
+                       "workers": min(rule.workers, d["workers_shared"] or d["workers_paged"]),
+                       "paged": d["workers_shared"] < 1,
+                       "memory_bytes": (d["table_bytes"] if d["workers_shared"] >= 1 else d["working_set_bytes"])
+                       + rule.workers * (dense + worker)}
     return out
+
+
+def _row(dim: int, dtype: str) -> int:
+    from fbgemm_gpu.split_embedding_configs import SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import rounded_row_size_in_bytes
+    from torchrec.quant.embedding_modules import DEFAULT_ROW_ALIGNMENT
+
+    kind = {"fp32": SparseType.FP32, "fp16": SparseType.FP16, "int8": SparseType.INT8, "int4": SparseType.INT4}[dtype]
+    return rounded_row_size_in_bytes(dim, kind, DEFAULT_ROW_ALIGNMENT)
 
 
 def _dense_params(c) -> int:
@@ -127,8 +197,10 @@ def full_rows(path: str | Path, config) -> tuple[int, ...] | None:
 def _print_budget(rep: dict, dtypes: list[str]) -> None:
     print(f"{'':<16}{'':>14}" + "".join(f"{d:>13}" for d in dtypes))
     for key, label in (("workers_unshared", "workers, copies"), ("workers_shared", "workers, mmap"),
+                       ("working_set_bytes", "working set"), ("workers_paged", "workers, paged"),
                        ("startup_timeout_s", "startupTimeout")):
-        print(f"{label:<30}" + "".join(f"{rep['dtypes'][d][key]:>13}" for d in dtypes))
+        cell = (lambda v: human(v)) if key == "working_set_bytes" else (lambda v: v)
+        print(f"{label:<30}" + "".join(f"{cell(rep['dtypes'][d][key]):>13}" for d in dtypes))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -148,6 +220,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--cpus", type=int, default=None,
                     help="CPUs to size the workers for (default: the CPUs this process may use: affinity and "
                          "cgroup quota)")
+    ap.add_argument("--hit-rate", type=float, default=0.9,
+                    help="share of lookups the page cache must serve when the tables do not fit (the 'paged' "
+                         "rule; default: %(default)s)")
+    ap.add_argument("--zipf", type=float, default=1.05,
+                    help="power-law exponent s of the ids' frequencies (row of rank i looked up in proportion to "
+                         "i^-s) for the 'paged' rule (default: %(default)s; docs/scale.md says why)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
 
@@ -166,11 +244,14 @@ def main(argv: list[str] | None = None) -> dict:
         from dlrmkit.cpus import available_cpus
 
         args.cpus = available_cpus()
-    rep = report(config, args.memory, args.worker_overhead, args.base_seconds, args.disk_mbps, args.cpus)
+    if not 0 < args.hit_rate <= 1 or args.zipf <= 0:
+        ap.error("--hit-rate must be in (0, 1] and --zipf > 0")
+    rep = report(config, args.memory, args.worker_overhead, args.base_seconds, args.disk_mbps, args.cpus,
+                 args.hit_rate, args.zipf)
     full = full_rows(args.config, config)
     if full:
         rep["full"] = report(dataclasses.replace(config, num_embeddings=full), args.memory, args.worker_overhead,
-                             args.base_seconds, args.disk_mbps)
+                             args.base_seconds, args.disk_mbps, hit_rate=args.hit_rate, zipf=args.zipf)
     if args.json:
         print(json.dumps(rep, indent=2))
         return rep
@@ -195,7 +276,9 @@ def main(argv: list[str] | None = None) -> dict:
               + "".join(f"{human(rep['full']['dtypes'][d]['table_bytes']):>13}" for d in dtypes))
         _print_budget(rep["full"], dtypes)
     print("\n'copies': each worker holds the tables (GPU, or the seed's floor(memory / model) rule); "
-          "'mmap': CPU workers share one page-cache copy of the archive's tables.")
+          "'mmap': CPU workers share one page-cache copy of the archive's tables; "
+          f"'paged': tables larger than memory, the page cache holding the working set that serves "
+          f"{args.hit_rate:g} of the lookups (ids Zipf s={args.zipf:g}, hot rows scattered over 4 KiB pages).")
     return rep
 
 

@@ -1,0 +1,137 @@
+#!/usr/bin/env python
+"""Build a model whose tables may be larger than memory, as a TorchServe model directory that
+workers load where it lies (no .mar, no copy).
+
+    python scripts/build_big.py --config model-config.dlrmv2.yaml --full --dtype int8 --out /work/big/store/dlrmv2-int8
+    python scripts/build_big.py --config my.yaml --checkpoint ckpt_dir/ --out /data/store/dlrm
+
+The tables are written table by table, a chunk of rows at a time, straight into the quantized
+row layout (dlrm_stream.py): fp32 tables are never held, so memory stays at about --chunk-mib
+plus the process, whatever the model's size. Rows are byte for byte what scripts/build_mar.py
+archives for the same fp32 weights (tests/test_stream.py). --full takes the row counts of the
+config's ``# full: [...]`` comment (model-config.dlrmv2.yaml lists the MLPerf DLRMv2 tables).
+
+The output is what ``torch-model-archiver --archive-format no-archive`` makes: a directory with
+MAR-INF/MANIFEST.json, the handler and its modules, the config (with the rows and dtype built)
+and the weights file. Put it in TorchServe's model store (or pass its parent as --model-store)
+and register it by its directory name: TorchServe 0.12 loads a directory through a temporary
+directory of symbolic links to its files, so the workers memory-map the weights in place.
+
+The disk needed is printed first; the build refuses to start without it (plus 2 GiB kept free).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def derived_config(src: Path, out: Path, rows, dtype: str) -> None:
+    """``src`` with handler.num_embeddings = ``rows`` and handler.embedding_dtype = ``dtype``."""
+    import yaml
+
+    doc = yaml.safe_load(src.read_text())
+    doc["handler"]["num_embeddings"] = list(rows)
+    doc["handler"]["embedding_dtype"] = dtype
+    out.write_text(f"# Written by scripts/build_big.py from {src.name}: {sum(rows):,} rows, {dtype} tables.\n"
+                   + yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=100))
+
+
+def model_directory(out: Path, config_file: Path, model_name: str, version: str, log=print) -> Path:
+    """The no-archive directory at ``out`` with a placeholder weights file (replaced next)."""
+    from build_mar import EXTRA_FILES
+    from dlrm_config import DLRMConfig
+    from dlrm_kserve import METADATA_FILE, model_metadata
+
+    config = DLRMConfig.from_yaml(config_file)
+    with tempfile.TemporaryDirectory(prefix="dlrm-big-") as tmp:
+        placeholder = Path(tmp) / "dlrm.pt"
+        placeholder.write_bytes(b"")
+        metadata = Path(tmp) / METADATA_FILE
+        metadata.write_text(json.dumps(model_metadata(config), indent=1))
+        export = Path(tmp) / "out"
+        export.mkdir()
+        cmd = [str(Path(sys.executable).parent / "torch-model-archiver"), "--model-name", model_name,
+               "--version", version, "--handler", str(ROOT / "dlrm_handler.py"), "--serialized-file", str(placeholder),
+               "--extra-files", ",".join([*(str(ROOT / f) for f in EXTRA_FILES), str(metadata)]),
+               "--config-file", str(config_file), "--export-path", str(export), "--archive-format", "no-archive"]
+        subprocess.run(cmd, check=True, env={**os.environ, "TMPDIR": tmp})
+        if out.exists():
+            shutil.rmtree(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(export / model_name), out)
+    log(f"[build] model directory {out} (handler, modules, config, MAR-INF/MANIFEST.json)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(ROOT / "model-config.yaml"), help="model config (default: %(default)s)")
+    ap.add_argument("--full", action="store_true", help="the row counts of the config's '# full: [...]' comment")
+    ap.add_argument("--dtype", choices=["fp32", "fp16", "int8", "int4"],
+                    help="embedding_dtype to build (default: the config's)")
+    ap.add_argument("--checkpoint", help="a trained fp32 DLRM (.pt state_dict or DCP directory) instead of "
+                    "seeded random weights")
+    ap.add_argument("--feature-order", metavar="F1,F2,...", help="with --checkpoint: as in build_mar.py")
+    ap.add_argument("--out", required=True, help="the model directory to write (outside any git checkout "
+                    "for big models); its name is the model name unless --model-name")
+    ap.add_argument("--model-name", help="default: the --out directory's name")
+    ap.add_argument("--version", default="1.0")
+    ap.add_argument("--chunk-mib", type=int, default=256, help="fp32 MiB of rows quantized at once (default: %(default)s)")
+    ap.add_argument("--json", metavar="FILE", help="write the build's measurements (time, peak RSS, sizes) here")
+    ap.add_argument("--force", action="store_true", help="replace an existing --out")
+    args = ap.parse_args(argv)
+
+    from dlrm_config import DLRMConfig
+    from dlrm_errors import ConfigError
+    import dlrm_stream
+
+    out = Path(args.out).resolve()
+    if out.exists() and not args.force:
+        sys.exit(f"error: {out} exists; pass --force to replace it")
+    try:
+        config = DLRMConfig.from_yaml(args.config)
+        rows = config.num_embeddings
+        if args.full:
+            from sizing import full_rows
+
+            rows = full_rows(args.config, config)
+            if rows is None:
+                sys.exit(f"error: --full: {args.config} has no '# full: [...]' comment")
+        config = dataclasses.replace(config, num_embeddings=tuple(rows), embedding_dtype=args.dtype or config.embedding_dtype)
+        need = dlrm_stream.file_bytes(config)
+        print(f"[build] {out}: {sum(rows):,} rows, {config.embedding_dtype}: needs {need / 2**30:.2f} GiB of disk",
+              flush=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        free = dlrm_stream.check_disk(out, need)
+        print(f"[build] {free / 2**30:.1f} GiB free at {out.parent}", flush=True)
+        source = (dlrm_stream.CheckpointSource(args.checkpoint, config, args.feature_order.split(",")
+                                               if args.feature_order else None)
+                  if args.checkpoint else dlrm_stream.RandomSource(config))
+        with tempfile.TemporaryDirectory(prefix="dlrm-big-cfg-") as tmp:
+            cfg = Path(tmp) / "model-config.yaml"
+            derived_config(Path(args.config), cfg, rows, config.embedding_dtype)
+            model_directory(out, cfg, args.model_name or out.name, args.version)
+        result = dlrm_stream.write_weights(out / "dlrm.pt", config, source, chunk_bytes=args.chunk_mib << 20,
+                                           log=lambda m: print(m, flush=True))
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+    result["model_dir"] = str(out)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
