@@ -277,7 +277,7 @@ def _read(weights: str | Path) -> object:
             raise ConfigError(f"{path}: not a torch state_dict file ({type(e).__name__}: {e})") from None
         # larger than the commit limit allows for a copy-on-write mapping: map it read-only
         logger.info("%s: %.1f GiB, mapped read-only (tables larger than memory)", path, path.stat().st_size / 2**30)
-        from dlrm_scale import load_read_only
+        from dlrmkit.scale import load_read_only
 
         return load_read_only(path)
     except Exception as e:  # torch raises several types for a corrupt or foreign file

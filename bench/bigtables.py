@@ -67,7 +67,7 @@ def log(msg: str) -> None:
 
 
 def full_config(dtype: str):
-    from dlrm_config import DLRMConfig
+    from dlrmkit.config import DLRMConfig
     from sizing import full_rows
 
     path = ROOT / "model-config.dlrmv2.yaml"
@@ -106,16 +106,15 @@ def save(section: str, data) -> dict:
 # --- build ---------------------------------------------------------------------------------------
 
 def cmd_build(args) -> None:
-    import dlrm_stream
-
+    from dlrmkit import stream
     store = Path(args.big_dir) / "store"
     store.mkdir(parents=True, exist_ok=True)
     todo = [d for d in args.dtypes if args.force or not (store / f"dlrmv2-{d}" / "dlrm.pt").exists()]
-    need = sum(dlrm_stream.file_bytes(full_config(d)) for d in todo)
+    need = sum(stream.file_bytes(full_config(d)) for d in todo)
     log(f"build {', '.join(todo) or 'nothing (both built; --force rebuilds)'}: needs {need / 2**30:.1f} GiB "
         f"of disk at {store}")
     try:
-        free = dlrm_stream.check_disk(store / "x", need)
+        free = stream.check_disk(store / "x", need)
     except Exception as e:
         sys.exit(f"error: {e}")
     log(f"{free / 2**30:.1f} GiB free")
@@ -135,13 +134,13 @@ def cmd_accuracy(args) -> None:
     import numpy as np
     import torch
 
-    import dlrm_stream
+    from dlrmkit import stream
     from dlrm_factory import DLRMFactory
-    from dlrm_scale import DTYPES, copy_tables, quant_ebc
+    from dlrmkit.scale import DTYPES, copy_tables, quant_ebc
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     base = full_config("fp32") if not args.capped else dataclasses.replace(
-        __import__("dlrm_config").DLRMConfig.from_yaml(ROOT / "model-config.dlrmv2.yaml"), embedding_dtype="fp32")
+        __import__("dlrmkit.config").DLRMConfig.from_yaml(ROOT / "model-config.dlrmv2.yaml"), embedding_dtype="fp32")
     bags = mlperf_bags(base)
     rng = np.random.default_rng(args.seed)
     B = args.rows
@@ -150,13 +149,13 @@ def cmd_accuracy(args) -> None:
     for f, (name, n) in enumerate(zip(base.sparse_features, base.num_embeddings)):
         ids[name] = sample_ids(rng, n, B * bags[f], args.zipf)
     wanted = {name: np.unique(v) for name, v in ids.items()}
-    source = dlrm_stream.RandomSource(base)
+    source = stream.RandomSource(base)
     dense_state = None
     kept = {name: torch.empty(len(w), base.embedding_dim) for name, w in wanted.items()}
-    started, chunk = time.perf_counter(), dlrm_stream.CHUNK_BYTES // (base.embedding_dim * 4)
+    started, chunk = time.perf_counter(), stream.CHUNK_BYTES // (base.embedding_dim * 4)
     total = sum(base.num_embeddings)
     done = 0
-    for t, start, rows in dlrm_stream.iter_tables(base, source, chunk):
+    for t, start, rows in stream.iter_tables(base, source, chunk):
         name = base.sparse_features[t]
         w = torch.from_numpy(wanted[name])
         hit = (w >= start) & (w < start + rows.shape[0])
@@ -180,7 +179,7 @@ def cmd_accuracy(args) -> None:
         tables = [dataclasses.replace(t, data_type=DTYPES[per_table_dtype.get(t.name, "fp32")][0])
                   for t in factory.tables("fp32")]
         qebc = quant_ebc(tables, torch.device("cpu"))
-        copy_tables(qebc, {f"{dlrm_stream.TABLES}{n}.weight": dlrm_stream.quantize_rows(kept[n], per_table_dtype.get(n, "fp32"))
+        copy_tables(qebc, {f"{stream.TABLES}{n}.weight": stream.quantize_rows(kept[n], per_table_dtype.get(n, "fp32"))
                            for n in base.sparse_features})
         model.sparse_arch.embedding_bag_collection = qebc
         with torch.no_grad():
@@ -573,8 +572,8 @@ def cmd_squeeze(args) -> None:
 
 
 def host_probe_scores(model_dir: Path, probe: bytes) -> list[float]:
-    from dlrm_config import DLRMConfig
-    from dlrm_core import RequestParser, collate, scores
+    from dlrmkit.config import DLRMConfig
+    from dlrmkit.batch import RequestParser, collate, scores
     from dlrm_factory import DLRMFactory
 
     config = DLRMConfig.from_yaml(model_dir / "model-config.yaml")
@@ -585,7 +584,7 @@ def host_probe_scores(model_dir: Path, probe: bytes) -> list[float]:
 def cmd_report(args) -> None:
     """results/bigtables.md from results/bigtables.json."""
     doc = json.loads((RESULTS / "bigtables.json").read_text())
-    lines = [f"# Full-size MLPerf DLRMv2 (204,184,588 rows) on one machine", "", f"CPU: {doc.get('cpu')}", ""]
+    lines = ["# Full-size MLPerf DLRMv2 (204,184,588 rows) on one machine", "", f"CPU: {doc.get('cpu')}", ""]
     if doc.get("build"):
         lines += ["## Build (scripts/build_big.py, seeded random weights, table by table)", "",
                   "| dtype | file GiB | seconds | peak RSS MiB | chunk rows |", "|---|---:|---:|---:|---:|"]

@@ -6,7 +6,7 @@ workers load where it lies (no .mar, no copy).
     python scripts/build_big.py --config my.yaml --checkpoint ckpt_dir/ --out /data/store/dlrm
 
 The tables are written table by table, a chunk of rows at a time, straight into the quantized
-row layout (dlrm_stream.py): fp32 tables are never held, so memory stays at about --chunk-mib
+row layout (dlrmkit/stream.py): fp32 tables are never held, so memory stays at about --chunk-mib
 plus the process, whatever the model's size. Rows are byte for byte what scripts/build_mar.py
 archives for the same fp32 weights (tests/test_stream.py). --full takes the row counts of the
 config's ``# full: [...]`` comment (model-config.dlrmv2.yaml lists the MLPerf DLRMv2 tables).
@@ -50,9 +50,9 @@ def derived_config(src: Path, out: Path, rows, dtype: str) -> None:
 
 def model_directory(out: Path, config_file: Path, model_name: str, version: str, log=print) -> Path:
     """The no-archive directory at ``out`` with a placeholder weights file (replaced next)."""
-    from build_mar import EXTRA_FILES
-    from dlrm_config import DLRMConfig
-    from dlrm_kserve import METADATA_FILE, model_metadata
+    from build_mar import extra_files
+    from dlrmkit.config import DLRMConfig
+    from dlrmkit.protocols import METADATA_FILE, model_metadata
 
     config = DLRMConfig.from_yaml(config_file)
     with tempfile.TemporaryDirectory(prefix="dlrm-big-") as tmp:
@@ -64,7 +64,7 @@ def model_directory(out: Path, config_file: Path, model_name: str, version: str,
         export.mkdir()
         cmd = [str(Path(sys.executable).parent / "torch-model-archiver"), "--model-name", model_name,
                "--version", version, "--handler", str(ROOT / "dlrm_handler.py"), "--serialized-file", str(placeholder),
-               "--extra-files", ",".join([*(str(ROOT / f) for f in EXTRA_FILES), str(metadata)]),
+               "--extra-files", ",".join([*extra_files(Path(tmp)), str(metadata)]),
                "--config-file", str(config_file), "--export-path", str(export), "--archive-format", "no-archive"]
         subprocess.run(cmd, check=True, env={**os.environ, "TMPDIR": tmp})
         if out.exists():
@@ -93,10 +93,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--force", action="store_true", help="replace an existing --out")
     args = ap.parse_args(argv)
 
-    from dlrm_config import DLRMConfig
-    from dlrm_errors import ConfigError
-    import dlrm_stream
-
+    from dlrmkit.config import DLRMConfig
+    from dlrmkit.errors import ConfigError
+    from dlrmkit import stream
     out = Path(args.out).resolve()
     if out.exists() and not args.force:
         sys.exit(f"error: {out} exists; pass --force to replace it")
@@ -110,20 +109,20 @@ def main(argv: list[str] | None = None) -> dict:
             if rows is None:
                 sys.exit(f"error: --full: {args.config} has no '# full: [...]' comment")
         config = dataclasses.replace(config, num_embeddings=tuple(rows), embedding_dtype=args.dtype or config.embedding_dtype)
-        need = dlrm_stream.file_bytes(config)
+        need = stream.file_bytes(config)
         print(f"[build] {out}: {sum(rows):,} rows, {config.embedding_dtype}: needs {need / 2**30:.2f} GiB of disk",
               flush=True)
         out.parent.mkdir(parents=True, exist_ok=True)
-        free = dlrm_stream.check_disk(out, need)
+        free = stream.check_disk(out, need)
         print(f"[build] {free / 2**30:.1f} GiB free at {out.parent}", flush=True)
-        source = (dlrm_stream.CheckpointSource(args.checkpoint, config, args.feature_order.split(",")
+        source = (stream.CheckpointSource(args.checkpoint, config, args.feature_order.split(",")
                                                if args.feature_order else None)
-                  if args.checkpoint else dlrm_stream.RandomSource(config))
+                  if args.checkpoint else stream.RandomSource(config))
         with tempfile.TemporaryDirectory(prefix="dlrm-big-cfg-") as tmp:
             cfg = Path(tmp) / "model-config.yaml"
             derived_config(Path(args.config), cfg, rows, config.embedding_dtype)
             model_directory(out, cfg, args.model_name or out.name, args.version)
-        result = dlrm_stream.write_weights(out / "dlrm.pt", config, source, chunk_bytes=args.chunk_mib << 20,
+        result = stream.write_weights(out / "dlrm.pt", config, source, chunk_bytes=args.chunk_mib << 20,
                                            log=lambda m: print(m, flush=True))
     except ConfigError as e:
         sys.exit(f"error: {e}")

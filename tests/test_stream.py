@@ -1,4 +1,4 @@
-"""The streaming build (dlrm_stream.py, scripts/build_big.py): tables written chunk by chunk are byte
+"""The streaming build (dlrmkit/stream.py, scripts/build_big.py): tables written chunk by chunk are byte
 for byte what build_mar.py archives, from random weights and from checkpoints."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import dlrm_stream
+from dlrmkit import stream
 from conftest import tiny_config
-from dlrm_checkpoint import import_checkpoint
-from dlrm_errors import ConfigError
+from dlrmkit.checkpoint import import_checkpoint
+from dlrmkit.errors import ConfigError
 from dlrm_factory import DLRMFactory
-from dlrm_scale import fused_tables, quant_ebc
+from dlrmkit.scale import fused_tables, quant_ebc
 from helpers import batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -49,10 +49,10 @@ def test_layout_is_the_kernels(dtype):
     config = tiny_config(embedding_dtype=dtype, num_embeddings=[1000, 37, 513])
     qebc = quant_ebc(DLRMFactory(config).tables(dtype), torch.device("cpu"))
     tables = fused_tables(qebc)
-    slots, host = dlrm_stream.layout(config)
+    slots, host = stream.layout(config)
     assert host == next(iter(tables.values())).untyped_storage().nbytes()
     for s in slots:
-        t = tables[f"{dlrm_stream.TABLES}{s.name}.weight"]
+        t = tables[f"{stream.TABLES}{s.name}.weight"]
         assert (t.storage_offset(), tuple(t.shape)) == (s.offset, (s.rows, s.row_bytes))
 
 
@@ -61,9 +61,9 @@ def test_random_build_is_the_normal_build_of_the_same_weights(tmp_path, dtype):
     config = tiny_config(embedding_dtype=dtype, num_embeddings=[300, 37, 513])
     path = tmp_path / "dlrm.pt"
     # 64 rows a chunk: every table spans several chunks, one ends mid-chunk
-    dlrm_stream.write_weights(path, config, dlrm_stream.RandomSource(config), chunk_bytes=64 * 8 * 4)
+    stream.write_weights(path, config, stream.RandomSource(config), chunk_bytes=64 * 8 * 4)
     got = torch.load(path, mmap=True, weights_only=True)
-    want = DLRMFactory(config).archive_state(fp32_model(config, dlrm_stream.RandomSource(config)))
+    want = DLRMFactory(config).archive_state(fp32_model(config, stream.RandomSource(config)))
     assert_same_archive(got, want)
     # and it serves: every input moves the score, as with build_mar's random weights
     model = DLRMFactory(config).load(path)
@@ -75,7 +75,7 @@ def test_random_build_is_the_normal_build_of_the_same_weights(tmp_path, dtype):
 
 def test_random_rows_do_not_depend_on_the_chunk_size():
     config = tiny_config(num_embeddings=[300, 37, 513])
-    a, b = dlrm_stream.RandomSource(config), dlrm_stream.RandomSource(config)
+    a, b = stream.RandomSource(config), stream.RandomSource(config)
     whole = a.rows(2, 0, 513)
     parts = torch.cat([b.rows(2, 0, 7), b.rows(2, 7, 500), b.rows(2, 507, 6)])
     assert torch.equal(whole, parts)
@@ -95,8 +95,8 @@ def test_checkpoint_build_is_build_mars_checkpoint_build(tmp_path, model, form, 
         ckpt = tmp_path / "trained.pt"
         torch.save(state, ckpt)
     path = tmp_path / "dlrm.pt"
-    source = dlrm_stream.CheckpointSource(ckpt, config, log=lambda _: None)
-    dlrm_stream.write_weights(path, config, source, chunk_bytes=7 * 8 * 4, log=lambda _: None)
+    source = stream.CheckpointSource(ckpt, config, log=lambda _: None)
+    stream.write_weights(path, config, source, chunk_bytes=7 * 8 * 4, log=lambda _: None)
     factory = DLRMFactory(config)
     want = factory.archive_state(factory.load_fp32(import_checkpoint(ckpt, config, log=lambda _: None)))
     assert_same_archive(torch.load(path, mmap=True, weights_only=True), want)
@@ -105,7 +105,7 @@ def test_checkpoint_build_is_build_mars_checkpoint_build(tmp_path, model, form, 
 def test_a_dcp_shard_is_read_from_its_offset_not_whole(tmp_path, model):
     config = tiny_config(embedding_dtype="int8")
     dcp.save({k: v for k, v in model.state_dict().items()}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
-    source = dlrm_stream.CheckpointSource(tmp_path / "ckpt", config, log=lambda _: None)
+    source = stream.CheckpointSource(tmp_path / "ckpt", config, log=lambda _: None)
     # rows 5..11 of feature_1 straight from the .distcp file
     assert torch.equal(source.rows(1, 5, 7), model.sparse_arch.embedding_bag_collection.embedding_bags["feature_1"]
                        .weight[5:12])
@@ -116,14 +116,14 @@ def test_a_dcp_shard_is_read_from_its_offset_not_whole(tmp_path, model):
 def test_a_checkpoint_that_does_not_fit_is_refused_before_a_file_is_written(tmp_path, model):
     dcp.save(dict(model.state_dict()), checkpoint_id=tmp_path / "ckpt", no_dist=True)
     with pytest.raises(ConfigError, match="feature_0.*shape"):
-        dlrm_stream.CheckpointSource(tmp_path / "ckpt", tiny_config(num_embeddings=[21, 30, 40]))
+        stream.CheckpointSource(tmp_path / "ckpt", tiny_config(num_embeddings=[21, 30, 40]))
     assert not list(tmp_path.glob("*.pt*"))
 
 
 def test_the_disk_check_names_what_is_needed(tmp_path):
     with pytest.raises(ConfigError, match=r"needs 1000000\.0 GiB of disk .* free there"):
-        dlrm_stream.check_disk(tmp_path / "dlrm.pt", 10**6 * 2**30)
-    assert dlrm_stream.check_disk(tmp_path / "dlrm.pt", 1) > 0
+        stream.check_disk(tmp_path / "dlrm.pt", 10**6 * 2**30)
+    assert stream.check_disk(tmp_path / "dlrm.pt", 1) > 0
 
 
 def test_build_big_writes_a_no_archive_model_directory(tmp_path):
@@ -151,7 +151,7 @@ def test_rows_paged_out_between_requests_come_back_from_disk_with_the_same_score
     config = tiny_config(embedding_dtype="int8", num_embeddings=[40_000, 30, 40], embedding_dim=64,
                          dense_arch_layer_sizes=[16, 64])
     path = tmp_path / "dlrm.pt"
-    dlrm_stream.write_weights(path, config, dlrm_stream.RandomSource(config), log=lambda _: None)
+    stream.write_weights(path, config, stream.RandomSource(config), log=lambda _: None)
     model = DLRMFactory(config).load(path)
     buf = model.sparse_arch.embedding_bag_collection._emb_modules[0].weights_host
     dense, kjt = DLRMFactory(config).probe_batch(256, torch.Generator().manual_seed(5))
@@ -225,7 +225,7 @@ def test_a_file_the_commit_limit_refuses_to_map_privately_loads_read_only(tmp_pa
     nothing) and scores the same; the tables then are read-only pages of the file."""
     config = tiny_config(embedding_dtype="int8", num_embeddings=[5000, 30, 40])
     path = tmp_path / "dlrm.pt"
-    dlrm_stream.write_weights(path, config, dlrm_stream.RandomSource(config), log=lambda _: None)
+    stream.write_weights(path, config, stream.RandomSource(config), log=lambda _: None)
     dense, kjt = batch(64)
     with torch.no_grad():
         want = DLRMFactory(config).load(path)(dense, kjt)
@@ -247,7 +247,7 @@ def test_a_file_the_commit_limit_refuses_to_map_privately_loads_read_only(tmp_pa
 
 
 def test_the_placeholder_buffer_of_a_lazy_kernel_commits_no_memory():
-    from dlrm_scale import _uncommitted
+    from dlrmkit.scale import _uncommitted
 
     buf = _uncommitted(3 << 30)
     assert buf.numel() == 3 << 30 and buf.dtype == torch.uint8

@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from dlrm_config import DLRMConfig
-from dlrm_core import RequestParser, collate, scores
+from dlrmkit.config import DLRMConfig
+from dlrmkit.batch import RequestParser, collate, scores
 from dlrm_factory import DLRMFactory
 from tsctl import Server, post
 

@@ -10,7 +10,7 @@ machine. ``write_weights`` writes the same file without ever holding an fp32 tab
    buffer a FakeTensor: the file is written with its records in place and the 27 GiB of table
    bytes left as a hole (a sparse file), in milliseconds;
 2. each table's rows, a chunk of fp32 rows at a time (seeded random, or read from a trained
-   checkpoint), quantized by the normal build's own quantizer (``dlrm_scale.quantize``:
+   checkpoint), quantized by the normal build's own quantizer (``dlrmkit.scale.quantize``:
    torchrec's ``quantize_inference_model``, row-wise, so a chunk's rows are byte for byte the
    whole table's) and written with ``os.pwrite`` where the loader will map them.
 
@@ -38,9 +38,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from dlrm_config import DLRMConfig
-from dlrm_errors import ConfigError
-from dlrm_scale import EBC, table_bytes
+from dlrmkit.config import DLRMConfig
+from dlrmkit.errors import ConfigError
+from dlrmkit.scale import EBC, table_bytes
 
 TABLES = EBC + "embedding_bags."
 CHUNK_BYTES = 256 << 20  # fp32 bytes of rows quantized at once: the build's working set
@@ -81,16 +81,16 @@ def _row_bytes(config: DLRMConfig) -> int:
 def quantize_rows(rows: torch.Tensor, dtype: str) -> torch.Tensor:
     """fp32 rows ``[n, D]`` -> the kernel's fused rows ``[n, row bytes]`` (uint8), by the normal
     build's quantizer: a one-table EmbeddingBagCollection holding ``rows`` goes through
-    ``dlrm_scale.quantize`` (torchrec's ``quantize_inference_model``) and its fused rows come
+    ``dlrmkit.scale.quantize`` (torchrec's ``quantize_inference_model``) and its fused rows come
     out. int8/int4 scale and bias are per row, so a chunk quantizes as the whole table would."""
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    from dlrm_scale import fused_tables, quantize
+    from dlrmkit.scale import fused_tables, quantize
 
     n, dim = rows.shape
     if dtype == "fp32":
-        from dlrm_scale import quant_ebc
+        from dlrmkit.scale import quant_ebc
 
         # the normal fp32 build copies the rows into the kernel's (padded) rows: the same here
         cfg = EmbeddingBagConfig(name="t", embedding_dim=dim, num_embeddings=n, feature_names=["t"])
@@ -182,7 +182,7 @@ class RandomSource:
 
 
 class CheckpointSource:
-    """A trained fp32 checkpoint (``dlrm_checkpoint``: a state_dict file or a DCP directory),
+    """A trained fp32 checkpoint (``dlrmkit.checkpoint``: a state_dict file or a DCP directory),
     checked against the config before any data is read (``plan_import``), then read a chunk of
     rows at a time. A DCP directory's shards are torch.save blobs inside its ``.distcp`` files:
     each shard's rows are read straight from the file at their offset (``os.preadv``), never the
@@ -191,7 +191,7 @@ class CheckpointSource:
 
     def __init__(self, path: str | Path, config: DLRMConfig, feature_order: list[str] | None = None,
                  log: Callable[[str], None] = print):
-        from dlrm_checkpoint import _say_ignored, open_checkpoint, plan_import
+        from dlrmkit.checkpoint import _say_ignored, open_checkpoint, plan_import
 
         self.config, self.log = config, log
         self.ckpt = open_checkpoint(path)
