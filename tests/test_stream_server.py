@@ -15,7 +15,8 @@ import yaml
 
 from conftest import ROOT
 from dlrmkit.config import DLRMConfig
-from dlrmkit.batch import RequestParser, collate, scores
+from dlrmkit.batch import collate, scores
+from dlrmkit.forms import RequestParser
 from dlrm_factory import DLRMFactory
 from tsctl import Server, post
 
