@@ -32,6 +32,7 @@ from dlrmkit.config import DLRMConfig
 from dlrmkit.batch import collate, scores
 from dlrmkit.forms import RequestParser
 from dlrmkit.cpus import torch_threads
+from dlrmkit import dense as dense_half
 from dlrmkit.errors import BadRequest, ConfigError, RequestError
 from dlrm_factory import DLRMFactory
 from dlrmkit.protocols import BINARY_HEADER, open_request
@@ -84,18 +85,19 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         started = time.perf_counter()
         factory = DLRMFactory(self.config)
         self.model = factory.load(os.path.join(model_dir, serialized), devices)
-        frozen = factory.freeze_dense(self.model) if len(devices) == 1 else []
+        self.model, dense = dense_half.prepare(self.model, self.config, model_dir, devices)
+        frozen = factory.freeze_dense(self.model) if len(devices) == 1 and dense.startswith("fp32") else []
         self.parser = RequestParser(self.config)
         model = (self.manifest or {}).get("model", {})
         self.model_id = (model.get("modelName", "dlrm"), str(model.get("modelVersion", "1.0")))
         self.initialized = True
         logger.info(
             "DLRM loaded on %s in %.1f s: %d dense, %d sparse features, %d embedding rows (%s), output %s, "
-            "%d torch threads, frozen: %s",
+            "%d torch threads, frozen: %s; dense half: %s",
             ", ".join(map(str, devices)) + (" (tables sharded)" if len(devices) > 1 else ""),
             time.perf_counter() - started, self.config.num_dense_features, self.config.num_features,
             sum(self.config.num_embeddings), self.config.embedding_dtype, self.config.output, torch.get_num_threads(),
-            ", ".join(frozen) or "nothing",
+            ", ".join(frozen) or "nothing", dense,
         )
 
     def handle(self, data, context):

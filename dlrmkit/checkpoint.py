@@ -437,6 +437,8 @@ class Verified:
     worst: str  # "line L, row R: served S, trainer T"
     over: int  # rows off by more than the tolerance
     auc: tuple[float, float] | None  # (served, trainer) when the file has labels
+    # dense_precision bf16 / int8: dlrmkit.dense.contract's AUC ratio, max and p99 |dp| vs the trainer
+    contract: dict | None = None
 
 
 def read_verify_file(path: str | Path) -> list[dict]:
@@ -476,7 +478,8 @@ def read_verify_file(path: str | Path) -> list[dict]:
 
 
 def verify_archive(mar: str | Path, path: str | Path, tolerance: float = 1e-5,
-                   log: Callable[[str], None] = print) -> Verified:
+                   log: Callable[[str], None] = print, precision: str = "fp32",
+                   logits: bool = False, auc_ratio: float = 0.999) -> Verified:
     """Score every request of ``path`` (``read_verify_file``) with the archive ``mar`` loaded as a
     TorchServe worker loads it, and compare each row with the trainer's score. The archive is
     unpacked and loaded in a child process whose ``sys.path`` starts with the archive's own files,
@@ -519,14 +522,56 @@ def verify_archive(mar: str | Path, path: str | Path, tolerance: float = 1e-5,
         labels_all += doc.get("labels") or []
     worst = max(deltas)
     aucs = (auc(served_all, labels_all), auc(trainer_all, labels_all)) if labels_all else None
+    terms = None
+    if precision != "fp32" and labels_all:
+        from dlrmkit.dense import contract
+
+        prob = (lambda v: torch.sigmoid(torch.tensor(v, dtype=torch.float64)).tolist()) if logits else list
+        terms = contract(prob(served_all), prob(trainer_all), labels_all, auc_ratio)
     result = Verified(len(deltas), len(lines), worst[0],
                       f"line {worst[1]}, row {worst[2]}: served {worst[3]:.7g}, trainer {worst[4]:.7g}",
-                      sum(d[0] > tolerance for d in deltas), aucs)
+                      sum(d[0] > tolerance for d in deltas), aucs, terms)
     log(f"[verify] {result.rows} rows in {result.requests} requests of {path} scored by the archive as a worker "
         f"loads it in {time.perf_counter() - started:.1f} s: max |served - trainer| {result.max_delta:.3g} "
         f"(tolerance {tolerance:g}; {result.worst})"
         + (f"; AUC served {aucs[0]:.6f} vs trainer {aucs[1]:.6f}" if aucs else ""))
+    if terms:
+        log(f"[verify] dense_precision {precision}: AUC ratio {terms['auc_ratio']:.5f} (contract >= {auc_ratio:g}: "
+            f"{'holds' if terms['holds'] else 'BROKEN'}), |dp| max {terms['max_dp']:.4g}, p99 {terms['p99_dp']:.4g}")
     return result
+
+
+def calibration_inputs(path: str | Path, model: torch.nn.Module, config: DLRMConfig) -> dict[str, torch.Tensor]:
+    """``--calibrate FILE``: the dense half's inputs for int8's static scales, from JSON lines that
+    are /predictions bodies or ``{"request": body, ...}`` (a --verify file), parsed and collated as
+    the handler does and looked up in ``model``'s tables (dlrmkit.dense.calibration_inputs)."""
+    from dlrmkit import dense
+    from dlrmkit.batch import collate
+    from dlrmkit.errors import RequestError
+    from dlrmkit.forms import RequestParser
+
+    parser, batches = RequestParser(config), []
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"--calibrate {path}: {e.strerror}") from None
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            doc = json.loads(line)
+            body = doc["request"] if isinstance(doc, dict) and isinstance(doc.get("request"), dict) else doc
+            batch, bad = collate([parser.parse(body)], config)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--calibrate {path}, line {n}: not JSON ({e.msg} at column {e.colno})") from None
+        except RequestError as e:
+            raise ConfigError(f"--calibrate {path}, line {n}: {e.message}") from None
+        if bad:
+            raise ConfigError(f"--calibrate {path}, line {n}: {bad[0].message}")
+        batches.append((batch.dense, batch.sparse))
+    if not batches:
+        raise ConfigError(f"--calibrate {path}: no requests in the file")
+    return dense.calibration_inputs(model, batches)
 
 
 def auc(scores, labels) -> float:

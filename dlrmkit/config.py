@@ -20,6 +20,7 @@ OUTPUTS = ("probability", "logit")
 ID_OVERFLOW = ("error", "modulo")
 RAW_INPUTS = ("criteo_tsv",)  # handler.raw_input: request forms of untransformed features (dlrmkit.criteo)
 EMBEDDING_DTYPES = ("fp32", "fp16", "int8", "int4")  # torchrec's inference quantization, all run on CPU
+DENSE_PRECISIONS = ("fp32", "bf16", "int8")  # the dense half: fp32, or compiled bf16 / int8 (dlrmkit/dense.py)
 # handler.interaction -> the keys only that variant takes (torchrec's DLRM, DLRM_DCN, DLRM_Projection)
 INTERACTIONS = {
     "dot": (),
@@ -57,6 +58,9 @@ class DLRMConfig:
     # How the archive stores the tables and the worker holds them, all in fbgemm's fused
     # table-batched kernel: fp32, or quantized (fp16 2x, int8 ~3.2x, int4 ~5x smaller at D=64).
     embedding_dtype: str = "fp32"
+    # How the dense half (bottom MLP, interaction, top MLP) runs on CPU (dlrmkit/dense.py): fp32 as
+    # always, or bf16 / int8 compiled by Inductor under the accuracy contract build_mar --verify checks.
+    dense_precision: str = "fp32"
     interaction: str = "dot"  # dot | dcn | projection
     dcn_num_layers: int | None = None  # dcn only: cross layers
     dcn_low_rank_dim: int | None = None  # dcn only: rank of each layer's W V factorisation
@@ -143,7 +147,7 @@ class DLRMConfig:
             over_arch_layer_sizes=over_sizes,
         )
         for key, choices in (("pooling", POOLINGS), ("output", OUTPUTS), ("id_overflow", ID_OVERFLOW),
-                             ("embedding_dtype", EMBEDDING_DTYPES)):
+                             ("embedding_dtype", EMBEDDING_DTYPES), ("dense_precision", DENSE_PRECISIONS)):
             if key in raw and raw[key] not in choices:
                 raise ConfigError(
                     f"handler.{key}: expected one of {', '.join(choices)}, got {raw[key]!r}"

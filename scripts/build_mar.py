@@ -72,8 +72,16 @@ def main(argv: list[str] | None = None) -> Path:
                     help='after building, score every request of FILE (JSON lines {"request": {...}, "scores": '
                     '[...], "labels": [...]}, as scripts/train.py writes verify.jsonl) with the archive loaded as '
                     "a worker loads it; differences over --verify-tolerance fail the build and leave no archive")
+    ap.add_argument("--calibrate", metavar="FILE.jsonl",
+                    help="handler.dense_precision int8: requests like the traffic (JSON lines of /predictions "
+                    "bodies, or a --verify file) whose dense-half inputs the archive carries for int8's static "
+                    "activation scales (at most 512 rows); default: the --verify file; neither: int8 computes "
+                    "its activation scales per batch (dynamic)")
     ap.add_argument("--verify-tolerance", type=float, default=1e-5, metavar="T",
                     help="largest |served - trainer| score --verify accepts (default: %(default)s)")
+    ap.add_argument("--auc-ratio", type=float, default=0.999, metavar="R",
+                    help="with --verify and a dense_precision other than fp32: the accuracy contract, served AUC >= "
+                    "R x the trainer's fp32 AUC (default %(default)s, MLPerf's dlrm-v2-99.9; 0.99 is its looser class)")
     ap.add_argument("--fit-dense-shift", nargs="+", metavar="TSV",
                     help="with --write-config: fit handler.dense_shift on these training TSV files as torchrec's "
                     "tsv_to_npys does (per file) and write a config serving raw Criteo lines (raw_input: criteo_tsv)")
@@ -85,7 +93,8 @@ def main(argv: list[str] | None = None) -> Path:
 
     import torch
 
-    from dlrmkit.checkpoint import import_checkpoint, verify_archive, write_config
+    from dlrmkit.checkpoint import calibration_inputs, import_checkpoint, verify_archive, write_config
+    from dlrmkit.dense import CALIBRATION_FILE
     from dlrmkit.config import DLRMConfig
     from dlrmkit.errors import BadRequest, ConfigError
     from dlrm_factory import DLRMFactory
@@ -137,11 +146,24 @@ def main(argv: list[str] | None = None) -> Path:
             if config.embedding_dtype != "fp32":
                 print(f"[build] quantizing the tables to {config.embedding_dtype} (torchrec quantize_inference_model)",
                       flush=True)
+            extra = [str(metadata := Path(tmp) / METADATA_FILE)]
+            calibrate = args.calibrate or args.verify
+            if config.dense_precision == "int8" and calibrate:
+                calibration = Path(tmp) / CALIBRATION_FILE
+                torch.save(calibration_inputs(calibrate, model, config), calibration)
+                extra.append(str(calibration))
+                print(f"[build] int8 dense half: static activation scales from {calibrate} ({CALIBRATION_FILE})",
+                      flush=True)
+            elif config.dense_precision == "int8":
+                print("[build] int8 dense half without --calibrate or --verify: activation scales per batch "
+                      "(dynamic int8)", flush=True)
+            if config.dense_precision != "fp32" and not args.verify:
+                print(f"[build] warning: dense_precision {config.dense_precision} without --verify: the accuracy "
+                      "contract (AUC >= 99.9% of fp32) is not checked for this archive", flush=True)
             state = factory.archive_state(model)
             del model
             torch.save(state, weights)
             # The v2 metadata the OIP endpoint plugin serves, from the config just validated.
-            metadata = Path(tmp) / METADATA_FILE
             metadata.write_text(json.dumps(model_metadata(config), indent=1))
             print(f"[build] weights {weights.stat().st_size / 1e6:.1f} MB in {time.perf_counter() - started:.1f} s",
                   flush=True)
@@ -154,7 +176,7 @@ def main(argv: list[str] | None = None) -> Path:
                 "--version", args.version,
                 "--handler", str(ROOT / "dlrm_handler.py"),
                 "--serialized-file", str(weights),
-                "--extra-files", ",".join([*extra_files(Path(tmp)), str(metadata)]),
+                "--extra-files", ",".join([*extra_files(Path(tmp)), *extra]),
                 "--config-file", str(Path(args.config).resolve()),
                 "--export-path", str(built),
                 # Random floats do not compress; storing them makes building and loading faster.
@@ -167,8 +189,22 @@ def main(argv: list[str] | None = None) -> Path:
             built.mkdir()
             subprocess.run(cmd, check=True, env={**os.environ, "TMPDIR": tmp})
             if args.verify:
-                result = verify_archive(built / mar.name, args.verify, args.verify_tolerance)
-                if result.over:
+                result = verify_archive(built / mar.name, args.verify, args.verify_tolerance,
+                                        precision=config.dense_precision, logits=config.output == "logits",
+                                        auc_ratio=args.auc_ratio)
+                if config.dense_precision != "fp32":
+                    # Reduced precision moves every score a little: MLPerf's AUC rule is the gate,
+                    # not the per-row tolerance.
+                    if result.contract is None:
+                        sys.exit(f"error: --verify: dense_precision {config.dense_precision} is checked by the "
+                                 f"accuracy contract (served AUC >= 99.9% of fp32), which needs labels on every "
+                                 f"line of {args.verify} (scripts/train.py writes them); no archive written")
+                    if not result.contract["holds"]:
+                        c = result.contract
+                        sys.exit(f"error: --verify: dense_precision {config.dense_precision} breaks the accuracy "
+                                 f"contract: AUC {c['auc']:.6f} is {c['auc_ratio']:.5f} of fp32's {c['auc_fp32']:.6f} "
+                                 f"(needs >= {args.auc_ratio:g}); serve a higher precision; no archive written")
+                elif result.over:
                     sys.exit(f"error: --verify: {result.over} of {result.rows} rows differ from the trainer's "
                              f"scores by more than {args.verify_tolerance:g} (worst {result.max_delta:.3g}, "
                              f"{result.worst}); no archive written. The usual causes: handler.sparse_features "

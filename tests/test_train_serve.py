@@ -6,9 +6,11 @@ the held-out rows, sent concurrently; --verify proves the archive against the tr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -163,3 +165,64 @@ def test_every_variant_imports_to_the_trained_models_scores(tmp_path, interactio
     with torch.no_grad():
         scores = torch.sigmoid(model(dense, kjt).squeeze(1))
     assert torch.allclose(scores, torch.tensor(held["scores"]), atol=1e-5, rtol=0)
+
+
+def test_an_int8_dense_half_is_built_under_the_accuracy_contract_and_served(trained, tmp_path, capsys):
+    """The trained DCN with handler.dense_precision int8: --verify calibrates static scales from
+    its file, checks MLPerf's AUC rule and refuses the archive under a contract it breaks; a real
+    TorchServe serves the archive within the contract, its workers saying what runs."""
+    from dlrmkit import dense
+
+    config = tmp_path / "int8.yaml"
+    build_mar.main(["--checkpoint", str(trained / "checkpoint"), "--write-config", str(config),
+                    "--feature-order", ",".join(TRAINER_ORDER)])
+    doc = yaml.safe_load(config.read_text())
+    doc["handler"]["dense_precision"] = "int8"
+    config.write_text(yaml.safe_dump(doc))
+    native = dense.unsupported("int8", dense.cpu_flags()) is None
+    build = ["--config", str(config), "--checkpoint", str(trained / "checkpoint"), "--verify",
+             str(trained / "verify.jsonl")]
+    # Every order kept is AUC ratio 1.0: a contract of 1.0 refuses int8 unless it changed nothing.
+    with pytest.raises(SystemExit) if native else contextlib.nullcontext() as refused:
+        build_mar.main([*build, "--auc-ratio", "1.0", "--output-dir", str(tmp_path / "strict")])
+    if native:
+        assert refused.value.code.startswith("error: --verify: dense_precision int8 breaks the accuracy contract: "
+                                             "AUC "), refused.value.code
+        assert refused.value.code.endswith("(needs >= 1); serve a higher precision; no archive written")
+        assert not (tmp_path / "strict" / "dlrm.mar").exists()
+    capsys.readouterr()
+    store = tmp_path / "store"
+    mar = build_mar.main([*build, "--output-dir", str(store)])
+    printed = capsys.readouterr().out
+    assert f"[build] int8 dense half: static activation scales from {trained / 'verify.jsonl'}" in printed
+    line = next(x for x in printed.splitlines() if x.startswith("[verify] dense_precision int8: AUC ratio "))
+    assert "(contract >= 0.999: holds)" in line, line
+    with zipfile.ZipFile(mar) as z:
+        assert dense.CALIBRATION_FILE in z.namelist()
+
+    srv = Server.on_free_ports(tmp_path / "home", model_store=store)
+    held = json.loads((trained / "heldout.json").read_text())
+    try:
+        srv.start()
+        srv.wait_ready("dlrm", json.dumps(held["rows"][0]).encode(), timeout=300)
+
+        def score(row):
+            # 120 s: on a loaded 2-core host the compiled workers' first batches take seconds
+            status, body, _ = post(f"{srv.url}/predictions/dlrm", json.dumps(row).encode(), "application/json",
+                                   timeout=120)
+            assert status == 200, body
+            return json.loads(body)["score"]
+
+        with ThreadPoolExecutor(16) as pool:
+            served = list(pool.map(score, held["rows"]))
+        log = (srv.log_dir / "model_log.log").read_text()
+    finally:
+        srv.stop()
+    terms = dense.contract(served, held["scores"], held["labels"])
+    assert terms["holds"], terms
+    if native:
+        assert "dense half: int8 static (PT2E X86InductorQuantizer, calibrated on " in log
+        # the contract is the bound; a row of this small trained model moves by up to ~0.16
+        assert 0 < terms["max_dp"] <= 0.25, terms
+    else:
+        assert "FALLING BACK to fp32" in log and terms["max_dp"] <= 1e-5

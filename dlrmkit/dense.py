@@ -1,0 +1,305 @@
+"""The dense half of a DLRM at reduced precision: bottom MLP, interaction, top MLP.
+
+``handler.dense_precision`` picks how the dense half runs on CPU; the embedding tables
+(``embedding_dtype``) are a separate choice:
+
+- ``fp32`` (default): as before this module existed, the bottom and top MLPs ``torch.jit.freeze``-d
+  where that is bit-for-bit equal (``DLRMFactory.freeze_dense``), scores unchanged.
+- ``bf16``: ``torch.autocast`` to bfloat16 compiled by Inductor with freezing (oneDNN's bf16
+  GEMMs: AMX or AVX512-BF16).
+- ``int8``: PT2E quantization with torchao's ``X86InductorQuantizer`` (int8 weights per channel,
+  uint8 activations), compiled by Inductor with freezing into oneDNN's fused int8 linears (AMX or
+  VNNI). Static activation scales when the archive carries calibration inputs
+  (``dense-calibration.pt``, written by ``scripts/build_mar.py --calibrate`` from requests that look
+  like traffic; ``--verify``'s file by default), else dynamic ones computed per batch.
+
+Reduced precision ships under MLPerf's accuracy contract: served AUC >= 99.9% of the fp32 AUC,
+checked by ``build_mar.py --verify`` (``contract``). The compiled code is made on the serving CPU
+at worker start, never carried in the archive, so an archive built on an AMX machine serves on an
+AVX2 one; a CPU without the precision's instructions (or a worker that cannot compile) serves fp32
+and says so in the log (``unsupported``). Inductor keeps what it compiled in its cache
+(``TORCHINDUCTOR_CACHE_DIR``, default ``/tmp/torchinductor_<user>``): a restarted worker loads it.
+
+torchrec's ``LowRankCrossNet`` (DLRM_DCN) multiplies its raw ``W``/``V`` parameters; it is rewritten
+as Linear pairs of the same weights (``LinearCrossNet``) so that the quantizer sees its GEMMs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dlrmkit.config import DENSE_PRECISIONS as PRECISIONS  # noqa: F401  (one list, validated there)
+
+logger = logging.getLogger(__name__)
+
+CALIBRATION_FILE = "dense-calibration.pt"
+# Rows kept for calibration: the observers' min/max settle within a few hundred rows, and the
+# file stays small (DLRMv2: 512 x (13 + 26 x 128) floats = 6.8 MB).
+CALIBRATION_ROWS = 512
+# MLPerf's rule for dlrm-v2-99.9: served AUC >= 99.9% of the fp32 reference's.
+AUC_RATIO = 0.999
+# Instructions a precision needs to run natively: without them oneDNN emulates (bf16, many times
+# slower) or rounds differently (int8 on AVX2 without VNNI saturates its int16 sums).
+NEEDS = {
+    "bf16": (("amx_bf16",), ("avx512_bf16",)),
+    "int8": (("amx_int8",), ("avx512_vnni",), ("avx_vnni",)),
+}
+# Flags that count only when ATen (and Inductor, which follows ATEN_CPU_CAPABILITY) may use
+# AVX-512: capped at avx2, the CPU is an AVX2 one to the compiled code.
+_AVX512 = ("avx512", "amx")
+
+
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo", capability: str | None = None) -> set[str]:
+    """The CPU's flags as the compiled code may use them: /proc/cpuinfo's, less those above
+    ATen's capability (``ATEN_CPU_CAPABILITY=avx2`` or a CPU torch runs at AVX2)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    flags = set(line.partition(":")[2].split())
+    capability = (capability or torch.backends.cpu.get_cpu_capability()).upper()
+    if capability == "DEFAULT":  # no vector ISA at all
+        return set()
+    if capability != "AVX512":
+        flags = {f for f in flags if not f.startswith(_AVX512)}
+    return flags
+
+
+def unsupported(precision: str, flags: set[str]) -> str | None:
+    """Why ``precision`` cannot run natively on a CPU with ``flags``, or None if it can."""
+    if precision == "fp32":
+        return None
+    if any(all(f in flags for f in need) for need in NEEDS[precision]):
+        return None
+    wanted = " or ".join("+".join(n) for n in NEEDS[precision])
+    return f"this CPU has no {wanted} (as torch may use it: {torch.backends.cpu.get_cpu_capability()})"
+
+
+def isa_summary(flags: set[str] | None = None) -> str:
+    """The instructions the precisions care about, for logs and reports."""
+    flags = cpu_flags() if flags is None else flags
+    want = ("amx_int8", "amx_bf16", "avx512_bf16", "avx512_vnni", "avx_vnni", "avx512f", "avx2")
+    return ",".join(f for f in want if f in flags) or "none"
+
+
+class LinearCrossNet(nn.Module):
+    """torchrec's ``LowRankCrossNet`` as Linear pairs, same parameters, same math:
+    ``x_{l+1} = x_0 * (W_l (V_l x_l) + b_l) + x_l``. A quantizer that looks for linear layers
+    finds all 2 x L of them here; in torchrec's module they are hidden in raw parameters."""
+
+    def __init__(self, crossnet: nn.Module):
+        super().__init__()
+        self.v = nn.ModuleList()
+        self.w = nn.ModuleList()
+        for v, w, b in zip(crossnet.V_kernels, crossnet.W_kernels, crossnet.bias):
+            lv = nn.Linear(v.shape[1], v.shape[0], bias=False)
+            lw = nn.Linear(w.shape[1], w.shape[0])
+            lv.weight, lw.weight, lw.bias = nn.Parameter(v.detach()), nn.Parameter(w.detach()), nn.Parameter(b.detach())
+            self.v.append(lv)
+            self.w.append(lw)
+
+    def forward(self, x0: torch.Tensor) -> torch.Tensor:
+        x = x0
+        for v, w in zip(self.v, self.w):
+            x = x0 * w(v(x)) + x
+        return x
+
+
+class DenseHalf(nn.Module):
+    """Everything of a torchrec DLRM after the embedding lookup: (dense [B, F_dense], pooled
+    embeddings [B, F, D]) -> logits [B, 1]; the three DLRM variants alike."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.dense_arch, self.inter_arch, self.over_arch = model.dense_arch, model.inter_arch, model.over_arch
+        crossnet = getattr(self.inter_arch, "crossnet", None)
+        if crossnet is not None and hasattr(crossnet, "V_kernels"):
+            import copy
+
+            # A shallow copy with its own child table: the model's module keeps torchrec's crossnet.
+            self.inter_arch = copy.copy(self.inter_arch)
+            self.inter_arch._modules = dict(self.inter_arch._modules)
+            self.inter_arch.crossnet = LinearCrossNet(crossnet)
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        return self.over_arch(self.inter_arch(dense_features=self.dense_arch(dense), sparse_features=pooled))
+
+
+class ServedDLRM(nn.Module):
+    """A DLRM whose dense half is ``dense``, a compiled module: ``model(dense, kjt)`` as before.
+    The sparse arch (fbgemm's table-batched kernel) stays as it is."""
+
+    def __init__(self, model: nn.Module, dense: nn.Module, precision: str):
+        super().__init__()
+        self.sparse_arch, self.dense, self.precision = model.sparse_arch, dense, precision
+
+    def forward(self, dense_features: torch.Tensor, sparse_features) -> torch.Tensor:
+        pooled = self.sparse_arch(sparse_features)
+        if dense_features.shape[0] == 1:  # compiled for B >= 2 (a B of 1 would be a second graph)
+            return self.dense(dense_features.expand(2, -1), pooled.expand(2, -1, -1))[:1].float()
+        return self.dense(dense_features, pooled).float()
+
+
+class _Autocast(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.inner(dense, pooled)
+
+
+def calibration_inputs(model: nn.Module, batches) -> dict[str, torch.Tensor]:
+    """The dense half's inputs for ``batches`` of (dense, kjt) through ``model``'s fp32 sparse
+    arch, at most CALIBRATION_ROWS rows: what ``build_mar.py --calibrate`` puts in the archive."""
+    dense, pooled, rows = [], [], 0
+    with torch.inference_mode():
+        for d, kjt in batches:
+            dense.append(d)
+            pooled.append(model.sparse_arch(kjt))
+            rows += d.shape[0]
+            if rows >= CALIBRATION_ROWS:
+                break
+    if not dense:
+        raise ValueError("no calibration rows")
+    return {
+        "dense": torch.cat(dense)[:CALIBRATION_ROWS].contiguous(),
+        "pooled": torch.cat(pooled)[:CALIBRATION_ROWS].contiguous(),
+    }
+
+
+def _probe(model: nn.Module, config, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random dense-half inputs of ``rows`` rows (export and warm-up shapes, not calibration)."""
+    gen = torch.Generator().manual_seed(0)
+    dense = torch.randn(rows, config.num_dense_features, generator=gen)
+    pooled = torch.randn(rows, config.num_features, config.embedding_dim, generator=gen)
+    return dense, pooled
+
+
+def _int8(half: nn.Module, example: tuple, calibration: dict | None) -> nn.Module:
+    """PT2E: export with a dynamic batch, annotate for x86 Inductor, calibrate (static) or not
+    (dynamic activation scales), convert. Importing the quantizer's module is what registers
+    Inductor's int8 fusion passes (torchao issue 4823): without it int8 runs as plain aten ops."""
+    # torchao: the maintained home of PT2E quantization (torch.ao.quantization is deprecated).
+    import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    batch = torch.export.Dim("B", min=2, max=1 << 16)
+    exported = torch.export.export(half, example, dynamic_shapes=({0: batch}, {0: batch})).module()
+    quantizer = xiq.X86InductorQuantizer()
+    quantizer.set_global(xiq.get_default_x86_inductor_quantization_config(is_dynamic=calibration is None))
+    prepared = prepare_pt2e(exported, quantizer)
+    with torch.no_grad():
+        if calibration is not None:
+            for lo in range(0, calibration["dense"].shape[0], 128):
+                prepared(calibration["dense"][lo : lo + 128], calibration["pooled"][lo : lo + 128])
+        else:
+            prepared(*example)
+    return convert_pt2e(prepared)
+
+
+def compile_dense(
+    model: nn.Module, config, precision: str, calibration: dict | None = None, warm_rows: tuple[int, ...] = (2, 64)
+) -> tuple[nn.Module, str]:
+    """``model`` (an fp32 torchrec DLRM on CPU, eval) with its dense half at ``precision``,
+    compiled and warmed at ``warm_rows`` batch sizes; and a line saying what runs. On a CPU
+    without the precision's instructions, or when compiling fails, the model comes back as it
+    was (fp32) and the line says FALLING BACK and why."""
+    if precision == "fp32":
+        return model, "fp32"
+    reason = unsupported(precision, cpu_flags())
+    if reason is None:
+        try:
+            return _compile(model, config, precision, calibration, warm_rows)
+        except Exception as e:  # a worker without a C++ compiler, an export the version cannot do
+            reason = f"compiling failed ({type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e) else ''})"
+    logger.warning("dense_precision %s: FALLING BACK to fp32: %s", precision, reason)
+    return model, f"fp32 (FALLING BACK from {precision}: {reason})"
+
+
+def _compile(model, config, precision, calibration, warm_rows) -> tuple[nn.Module, str]:
+    started = time.perf_counter()
+    # Inductor's own int8 lowering copy-constructs a tensor (torch 2.13): not ours to fix, and noise in every log.
+    warnings.filterwarnings("ignore", message="To copy construct from a tensor", category=UserWarning)
+    half = DenseHalf(model).eval()
+    example = _probe(model, config, 32)
+    if precision == "int8":
+        half = _int8(half, example, calibration)
+        what = (
+            "int8 static (PT2E X86InductorQuantizer, calibrated on "
+            f"{calibration['dense'].shape[0]} rows of the archive's {CALIBRATION_FILE})"
+            if calibration is not None
+            else "int8 dynamic (PT2E X86InductorQuantizer, activation scales per batch: the archive has no "
+            f"{CALIBRATION_FILE}; build it with --calibrate or --verify for static scales)"
+        )
+    else:
+        half = _Autocast(half)
+        what = "bf16 (autocast)"
+    # freezing: weights become constants that oneDNN prepacks (without it int8 keeps fp32 GEMMs,
+    # torchao issue 4566); dynamic: one graph for every batch size.
+    # Set for the process, not per call: Inductor reads it at every (re)compile, and
+    # torch.compile(options={"freezing": True}) fails on PT2E's int8 prepack ops (torch 2.13).
+    torch._inductor.config.freezing = True
+    compiled = torch.compile(half, dynamic=True)
+    served = ServedDLRM(model, compiled, precision)  # no .eval(): an exported graph refuses it; all is eval
+    with torch.no_grad():
+        for rows in warm_rows:
+            compiled(*_probe(model, config, rows))
+    what += f", Inductor with freezing on {isa_summary()}, compiled in {time.perf_counter() - started:.1f} s"
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if cache:
+        what += f" (cache {cache})"
+    return served, what
+
+
+def prepare(model: nn.Module, config, model_dir: str | Path, devices: list) -> tuple[nn.Module, str]:
+    """What the worker serves: ``model`` with its dense half at ``config.dense_precision``
+    (the archive's calibration inputs for static int8), and the line saying what runs."""
+    precision = config.dense_precision
+    if precision == "fp32":
+        return model, "fp32"
+    if len(devices) != 1 or devices[0].type != "cpu":
+        reason = "the compiled dense half is for CPU workers (on a GPU the dense half runs fp32)"
+        logger.warning("dense_precision %s: FALLING BACK to fp32: %s", precision, reason)
+        return model, f"fp32 (FALLING BACK from {precision}: {reason})"
+    calibration = read_calibration(model_dir) if precision == "int8" else None
+    return compile_dense(model, config, precision, calibration)
+
+
+def read_calibration(model_dir: str | Path) -> dict | None:
+    """The archive's calibration inputs, or None when it carries none."""
+    path = Path(model_dir) / CALIBRATION_FILE
+    if not path.is_file():
+        return None
+    data = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(data, dict) or not {"dense", "pooled"} <= set(data):
+        raise ValueError(f"{path}: expected a dict with dense and pooled tensors")
+    return data
+
+
+def contract(served: list[float], reference: list[float], labels: list[int], ratio: float = AUC_RATIO) -> dict:
+    """MLPerf's accuracy rule for one precision: AUC of ``served`` vs AUC of the fp32
+    ``reference`` scores on the same rows, with the max and p99 |delta probability|."""
+    from dlrmkit.checkpoint import auc
+
+    s, r = torch.tensor(served, dtype=torch.float64), torch.tensor(reference, dtype=torch.float64)
+    delta = (s - r).abs()
+    a_served, a_ref = auc(served, labels), auc(reference, labels)
+    return {
+        "auc": a_served,
+        "auc_fp32": a_ref,
+        "auc_ratio": a_served / a_ref if a_ref else float("nan"),
+        "max_dp": float(delta.max()),
+        "p99_dp": float(torch.quantile(delta, 0.99)),
+        "holds": a_served >= ratio * a_ref,
+        "rows": len(served),
+    }
