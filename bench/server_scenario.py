@@ -118,7 +118,7 @@ def markdown(report: dict) -> list[str]:
     for r in report["rows"]:
         runs = ", ".join(f"{x['target_qps']}: {x.get('p99_ms')}{' V' if x['ok'] else ''}" for x in r["runs"])
         lines.append(
-            f"| {r['config']} | {r['variant']} | {r['dense'].split(': ')[0]} | {r['workers']} | {r['valid_qps'] or 'none'} | "
+            f"| {r['config']} | {r['variant']} | {r['dense'].split(': ')[0] + (')' if ': ' in r['dense'] else '')} | {r['workers']} | {r['valid_qps'] or 'none'} | "
             f"{r['pairs_per_s']:,} | {r['pairs_per_s'] // r['cpus']:,} | {r['p99_ms'] or ''} | "
             f"{r['host_rows_per_s']:,} | {r['vs_host']} | {runs} |"
         )

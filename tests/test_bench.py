@@ -15,7 +15,7 @@ import time
 
 import pytest
 import yaml
-from conftest import ROOT, tiny_config
+from conftest import ROOT, TINY, FakeContext, tiny_config
 
 import common
 import mlperf
@@ -151,6 +151,27 @@ def test_request_bodies_parse_with_the_kits_parser():
     for n, body in pool[:3]:
         assert len(json.loads(body)["columns"]["dense"]) == n
         parser.parse(body)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_load_served_runs_the_dense_half_the_handler_serves(tmp_path, precision):
+    import torch
+
+    from dlrm_handler import TorchRecDLRMHandler
+    from dlrmkit.config import DLRMConfig
+
+    cfg_path = tmp_path / "model-config.yaml"
+    cfg_path.write_text(yaml.safe_dump({"handler": dict(TINY)}))
+    source, doc, _ = common.build_archive(cfg_path, tmp_path / "store", "m", {"handler.dense_precision": precision})
+    model_dir = common.unpack(tmp_path / "store" / "m.mar", tmp_path / "m")
+    cfg = DLRMConfig.from_yaml(source)
+    model, what = common.load_served(cfg, model_dir)
+    # dlrmkit.dense.prepare's own line: the precision, or fp32 saying it fell back from it on this CPU
+    assert what.startswith(precision) or f"FALLING BACK from {precision}" in what
+    handler = TorchRecDLRMHandler()
+    handler.initialize(FakeContext(model_dir, doc["handler"]))
+    forward = common.raw_caller(cfg, 16, random.Random(1))
+    torch.testing.assert_close(forward(model)(), forward(handler.model)(), rtol=0, atol=1e-6)
 
 
 @pytest.mark.integration
