@@ -252,7 +252,8 @@ def next_rate(lo: float | None, hi: float | None, rate: float, step: float, tol:
 def search(run_at, start: float, steps: int = 7, step: float = 2.0, tol: float = 1.1, floor: float = 0.1) -> dict:
     """The highest offered rate ``run_at(rate)`` (a dict with ``ok``) passes: from ``start``,
     ``next_rate`` after each run, ``steps`` runs at most. Going down with no pass yet, it stops
-    once halving the rate cut p99 by less than 20% (queueing is not what breaks the bound).
+    once halving the rate cut p99 by less than 20% (queueing is not what breaks the bound: the
+    queries' own time is, or other work on the machine).
     Returns {"best": the best passing run or None, "runs": every run in order}."""
     runs: list[dict] = []
     lo = hi = None
@@ -268,7 +269,9 @@ def search(run_at, start: float, steps: int = 7, step: float = 2.0, tol: float =
         rate = next_rate(lo, hi, rate, step, tol, floor)
         failed = [x.get("p99_ms") for x in runs if not x["ok"]]
         if lo is None and len(failed) > 1 and None not in failed[-2:] and failed[-1] >= 0.8 * failed[-2]:
-            runs[-1]["note"] = "a lower rate no longer lowers p99: the queries alone take longer than the bound"
+            runs[-1]["note"] = (
+                "a lower rate no longer lowers p99: not queueing breaks the bound (the queries' own time, or other work)"
+            )
             rate = None
     passed = [r for r in runs if r["ok"]]
     return {"best": max(passed, key=lambda r: r["target_qps"]) if passed else None, "runs": runs}

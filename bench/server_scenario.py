@@ -168,7 +168,8 @@ def plot(report: dict, path: Path) -> None:
         f"Server scenario under LoadGen, {m['cpu']} ({m['isa']}), load average {m['load_average'][0]} (filled: VALID)",
         fontsize=9,
     )
-    ax.legend(fontsize=7, loc="upper left")
+    ax.margins(x=0.15)
+    ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
