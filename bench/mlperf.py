@@ -107,13 +107,16 @@ class HttpSUT:
     def _send(self, sample_id: int, index: int) -> None:
         import mlperf_loadgen as lg
 
-        pairs, body = self.pool[index]
-        status = self._post(body)
-        with self.lock:
-            self.queries += 1
-            self.pairs += pairs
-            self.errors += status != 200
-        lg.QuerySamplesComplete([lg.QuerySampleResponse(sample_id, 0, 0)])
+        pairs, status = 0, 0
+        try:
+            pairs, body = self.pool[index]
+            status = self._post(body)
+        finally:  # always completed (a failure counts as one): LoadGen waits for every sample it issued
+            with self.lock:
+                self.queries += 1
+                self.pairs += pairs
+                self.errors += status != 200
+            lg.QuerySamplesComplete([lg.QuerySampleResponse(sample_id, 0, 0)])
 
     def issue(self, samples) -> None:
         for s in samples:
