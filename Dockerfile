@@ -41,7 +41,11 @@ RUN cd /src && if [ "${VARIANT}" = cuda ]; then mkdir -p /opt/dlrm/model; else \
       --mount /opt/dlrm/model --port 8080 --config model-config.yaml; fi
 
 FROM ${BASE}
+# g++ and python3-dev: a reduced-precision dense half (handler.dense_precision bf16/int8) is compiled
+# by Inductor at worker start for the CPU it runs on: C++ kernels built as Python extensions (omp.h,
+# Python.h). Compiled on the serving CPU rather than carried, so an image serves on any x86 host.
 RUN apt-get update && apt-get install -y --no-install-recommends python3 openjdk-17-jre-headless tini \
+    g++ python3-dev \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --uid 1000 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin model-server
 COPY --from=build /opt/venv /opt/venv
