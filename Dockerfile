@@ -52,10 +52,12 @@ COPY --from=build /opt/venv /opt/venv
 COPY build/docker/plugins/ /opt/dlrm/plugins/
 COPY scripts/container_entrypoint.py /opt/dlrm/entrypoint.py
 COPY --from=build /opt/dlrm/model /opt/dlrm/model
+# OMP_WAIT_POLICY=PASSIVE: idle OpenMP threads sleep rather than spin on a core another worker or the
+# frontend needs (handler.large_batch_rows runs a large batch on every core; docs/performance.md).
 # Only /tmp is writable under Kubernetes' readOnlyRootFilesystem (an emptyDir): TorchServe's
 # logs/ and snapshots, its pid file and the workers' sockets and model folders all go there.
 ENV PATH=/opt/venv/bin:$PATH HOME=/tmp TMPDIR=/tmp LOG_LOCATION=/tmp/logs METRICS_LOCATION=/tmp/logs \
-    PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+    PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE
 WORKDIR /tmp
 USER 1000:1000
 EXPOSE 8080 8085 7070 8082
