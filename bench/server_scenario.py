@@ -100,6 +100,11 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
     return row
 
 
+def short(dense: str) -> str:
+    """dense.prepare's line without its reason: ``fp32 (FALLING BACK from int8)``."""
+    return dense.split(": ")[0] + (")" if ": " in dense else "")
+
+
 def markdown(report: dict) -> list[str]:
     m, bound = report["machine"], mlperf.P99_BOUND_MS
     lines = [
@@ -107,8 +112,8 @@ def markdown(report: dict) -> list[str]:
         f"kernels {m['isa_served']}; load average {m['load_average_at_start'][0]} at the start, "
         f"{m['load_average'][0]} at the end: a shared machine): queries of {mlperf.PAIRS[0]}-{mlperf.PAIRS[1]} pairs "
         f"(`columns` form), Poisson arrivals, runs of at least {report['seconds']:g} s and {report['min_queries']} "
-        f"queries, at most {report['max_seconds']:g} s (rates below {report['min_queries'] / report['max_seconds']:.1f} "
-        f"q/s cannot send that many: not tried); the highest offered rate LoadGen calls VALID (p99 <= {bound:.0f} ms) "
+        f"queries, at most {report['max_seconds']:g} s (a rate below {report['min_queries'] / report['max_seconds']:.1f} "
+        f"q/s cannot send that many: INVALID by the cap, the search goes no lower); the highest offered rate LoadGen calls VALID (p99 <= {bound:.0f} ms) "
         "with no failed query. LoadGen's summaries: `results/loadgen/`.",
         "",
         "| config | variant | dense half | workers | VALID q/s | pairs/s | per core | p99 ms | host raw forward "
@@ -118,7 +123,7 @@ def markdown(report: dict) -> list[str]:
     for r in report["rows"]:
         runs = ", ".join(f"{x['target_qps']}: {x.get('p99_ms')}{' V' if x['ok'] else ''}" for x in r["runs"])
         lines.append(
-            f"| {r['config']} | {r['variant']} | {r['dense'].split(': ')[0] + (')' if ': ' in r['dense'] else '')} | {r['workers']} | {r['valid_qps'] or 'none'} | "
+            f"| {r['config']} | {r['variant']} | {short(r['dense'])} | {r['workers']} | {r['valid_qps'] or 'none'} | "
             f"{r['pairs_per_s']:,} | {r['pairs_per_s'] // r['cpus']:,} | {r['p99_ms'] or ''} | "
             f"{r['host_rows_per_s']:,} | {r['vs_host']} | {runs} |"
         )
@@ -139,11 +144,14 @@ def plot(report: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for r in report["rows"]:
         runs = sorted((x for x in r["runs"] if x.get("p99_ms")), key=lambda x: x["target_qps"])
-        label = f"{r['config'].removeprefix('model-config.').removesuffix('.yaml')} {r['variant']} ({r['dense']})"
+        label = (
+            f"{r['config'].removeprefix('model-config.').removesuffix('.yaml')} {r['variant']} ({short(r['dense'])})"
+        )
         (line,) = ax.plot([x["target_qps"] for x in runs], [x["p99_ms"] for x in runs], "-", alpha=0.6, label=label)
         for ok in (True, False):
             pts = [(x["target_qps"], x["p99_ms"]) for x in runs if x["ok"] == ok]
@@ -151,8 +159,16 @@ def plot(report: dict, path: Path) -> None:
                 ax.plot(*zip(*pts), "o", color=line.get_color(), fillstyle="full" if ok else "none")
     ax.axhline(mlperf.P99_BOUND_MS, color="red", linestyle="--", label=f"p99 bound {mlperf.P99_BOUND_MS:.0f} ms")
     ax.set(xscale="log", yscale="log", xlabel="offered rate (queries/s, LoadGen Server)", ylabel="p99 latency (ms)")
-    ax.set_title(f"Server scenario, {report['machine']['cpu']} (filled: VALID)", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.set_ylim(bottom=mlperf.P99_BOUND_MS / 3)
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    m = report["machine"]
+    ax.set_title(
+        f"Server scenario under LoadGen, {m['cpu']} ({m['isa']}), load average {m['load_average'][0]} (filled: VALID)",
+        fontsize=9,
+    )
+    ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
