@@ -190,6 +190,8 @@ def _int8(half: nn.Module, example: tuple, calibration: dict | None) -> nn.Modul
     (dynamic activation scales), convert. Importing the quantizer's module is what registers
     Inductor's int8 fusion passes (torchao issue 4823): without it int8 runs as plain aten ops."""
     # torchao: the maintained home of PT2E quantization (torch.ao.quantization is deprecated).
+    # Its import warns once per CUDA kernel library a CPU host cannot load: not ours, and noise in every worker log.
+    logging.getLogger("torchao").setLevel(logging.ERROR)
     import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
