@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """MLPerf's Server scenario under MLPerf's LoadGen, per config and variant, against a real TorchServe.
 
-    python bench/server_scenario.py                                   # criteo; dlrmv2 fp32 and int8
+    python bench/server_scenario.py                                   # criteo; dlrmv2 fp32, bf16, int8
     python bench/server_scenario.py --configs model-config.criteo.yaml --variant b1:batchSize=1
     python bench/server_scenario.py --configs model-config.dlrmv2.yaml --variant fp32: \\
         --variant int8:handler.dense_precision=int8 --max-seconds 40 --steps 4
@@ -33,7 +33,7 @@ from common import HostForward, ROOT, build_archive, frontend_pid, load_served, 
 from common import write_report
 
 HOST_BATCH = 256
-VARIANTS = {"dlrmv2": ["fp32:", "int8:handler.dense_precision=int8"]}  # the default variants per config
+VARIANTS = {"dlrmv2": ["fp32:handler.dense_precision=fp32", "bf16:", "int8:handler.dense_precision=int8"]}  # the default variants per config
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
