@@ -93,6 +93,20 @@ def test_int8_without_calibration_is_dynamic_and_says_so():
         ), what
 
 
+def test_the_int8_compile_itself_runs_on_any_x86_cpu():
+    """The compile and calibration machinery, past the CPU check, on whatever CPU runs the tests
+    (on an AVX2 one its scores are not served: the worker falls back), so every CI host covers it."""
+    config = tiny_config(**variant("dcn"), dense_precision="int8")
+    model = DLRMFactory(config).random().eval()
+    dense_x, kjt = probe(config)
+    calibration = dense.calibration_inputs(model, [probe(config, seed=s) for s in (2, 3)])
+    served, what = dense._compile(model, config, "int8", calibration, (2, 8))
+    assert what.startswith("int8 static (PT2E X86InductorQuantizer, calibrated on 128 rows"), what
+    with torch.inference_mode():
+        got, want = served(dense_x, kjt), model(dense_x, kjt)
+    assert got.shape == want.shape and bool(torch.isfinite(got).all())
+
+
 def test_a_worker_whose_torch_may_use_no_vector_instructions_serves_fp32_and_says_so():
     """ATEN_CPU_CAPABILITY caps ATen and Inductor (a real torch setting): at 'default' the compiled
     code could use no SIMD, so the dense half stays fp32 with the reason in the log line."""
@@ -166,8 +180,12 @@ def test_the_speed_report_has_a_row_per_variant_one_core_alone_all_cores_summed(
     info = {v: {"what": v, "forced": v.startswith(("bf16", "int8")), "max_abs_logit_diff": 0.0} for v in bench.VARIANTS}
     rate = {v: 100.0 * (i + 1) for i, v in enumerate(bench.VARIANTS)}  # rows/s, fp32_eager the slowest
     rates = [
-        {f"{v}|{part}|{mode}": rate[v] * (1 + cpu) for v in bench.VARIANTS for part in ("dense_half", "whole")
-         for mode in ("one", "all")}
+        {
+            f"{v}|{part}|{mode}": rate[v] * (1 + cpu)
+            for v in bench.VARIANTS
+            for part in ("dense_half", "whole")
+            for mode in ("one", "all")
+        }
         for cpu in range(2)
     ]
     start = {"bf16": {"cold": {"setup_s": 30.0}, "warm": {"setup_s": 5.0}}}
@@ -176,9 +194,14 @@ def test_the_speed_report_has_a_row_per_variant_one_core_alone_all_cores_summed(
     assert by["int8_dynamic"]["whole_one_core"] == rate["int8_dynamic"]  # CPU 0's process alone
     assert by["int8_dynamic"]["whole_all_cores"] == 3 * rate["int8_dynamic"]  # both processes' sum
     assert by["int8_dynamic"]["dense_half_all_cores_vs_eager"] == rate["int8_dynamic"] / rate["fp32_eager"]
-    doc = {"command": "x", "batch": 256, "rounds": 1, "note": "NOTE",
-           "host": {"cpu": "C", "cpus": 2, "isa": "avx2", "torch_capability": "AVX2", "torch": "t"},
-           "configs": [{"config": "model-config.dlrmv2.yaml", "rows_cap": 20000, "rows": rows}]}
+    doc = {
+        "command": "x",
+        "batch": 256,
+        "rounds": 1,
+        "note": "NOTE",
+        "host": {"cpu": "C", "cpus": 2, "isa": "avx2", "torch_capability": "AVX2", "torch": "t"},
+        "configs": [{"config": "model-config.dlrmv2.yaml", "rows_cap": 20000, "rows": rows}],
+    }
     doc["reading"] = bench.reading(doc)
     md = bench.speed_md(doc)
     table = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| variant")]
@@ -191,11 +214,24 @@ def test_the_contract_report_has_a_row_per_precision_and_calibration():
     script = _load("scripts/dense_contract.py", "dense_contract")
     labels = [0, 1] * 20
     ref = [0.2 + 0.6 * y + 0.001 * i for i, y in enumerate(labels)]
-    rows = [{"precision": p, "calibration": s, "forced": True, **dense.contract(ref, ref, labels)}
-            for p, s in script.PRECISIONS]
-    doc = {"command": "x", "host": {"cpu": "C", "cpus": 2, "isa": "avx2", "torch": "t"},
-           "models": [{"model": "dcn", "train_args": ["--interaction", "dcn"], "rows_scored": 40,
-                       "auc_fp32": 1.0, "fp32_vs_trainer_max_dp": 0.0, "precisions": rows}]}
+    rows = [
+        {"precision": p, "calibration": s, "forced": True, **dense.contract(ref, ref, labels)}
+        for p, s in script.PRECISIONS
+    ]
+    doc = {
+        "command": "x",
+        "host": {"cpu": "C", "cpus": 2, "isa": "avx2", "torch": "t"},
+        "models": [
+            {
+                "model": "dcn",
+                "train_args": ["--interaction", "dcn"],
+                "rows_scored": 40,
+                "auc_fp32": 1.0,
+                "fp32_vs_trainer_max_dp": 0.0,
+                "precisions": rows,
+            }
+        ],
+    }
     table = [line for line in script.contract_md(doc).splitlines() if "**forced**" in line and line.startswith("|")]
     assert [line.split(" | ")[1] for line in table] == [s for _, s in script.PRECISIONS]
     assert all(" | yes | " in line for line in table)
