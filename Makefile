@@ -102,7 +102,8 @@ image: image-base $(PLUGIN)  ## build the container image deploy/kserve runs (VA
 # Checks before review: ruff's lint over the tree, mypy over the kit (pyproject.toml), and ruff's
 # formatter over the files already formatted (FORMATTED; the rest join as they are reworked).
 FORMATTED := dlrmkit/request.py dlrmkit/schema.py dlrmkit/forms.py dlrmkit/dense.py scripts/fuzz.py tests/test_fuzz.py \
-  tests/test_dense.py bench/common.py bench/mlperf.py bench/server_scenario.py tests/test_bench.py
+  tests/test_dense.py bench/common.py bench/mlperf.py bench/server_scenario.py tests/test_bench.py bench/dense.py \
+  scripts/dense_contract.py
 lint: venv  ## ruff (lint, format) and mypy, as CI runs them before the tests
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check $(FORMATTED)
