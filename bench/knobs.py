@@ -45,7 +45,10 @@ SETTINGS = {
     "batchSize=128": ({}, {"batchSize": 128}),
     "maxBatchDelay=5": ({}, {"maxBatchDelay": 5}),
     "batchSize=128 + netty_client_threads=1": ({"netty_client_threads": 1}, {"batchSize": 128}),
+    # a batch of 256 rows or more on a thread per CPU (dlrmkit.cpus.forward_threads)
+    "large_batch_rows=256": ({}, {"large_batch_rows": 256}),
 }
+HANDLER_KEYS = ("torch_threads", "large_batch_rows")
 # workers x torch threads per worker (the CPU rule's candidates, dlrmkit.cpus.cpu_rule)
 PLACEMENTS = {f"{w} worker(s) x {t} thread(s)": ({}, {"minWorkers": w, "maxWorkers": w, "torch_threads": t})
               for w, t in ((1, 1), (2, 1), (1, 2))}
@@ -60,7 +63,7 @@ def build(cfg_path: Path, store: Path, chosen: list[str], settings: dict) -> dic
         key = "dlrm" if not model_kw else "dlrm_" + "_".join(f"{k}{v}" for k, v in model_kw.items())
         names[name] = key
         if not (store / f"{key}.mar").exists():
-            items = {("handler." if k == "torch_threads" else "") + k: v for k, v in model_kw.items()}
+            items = {("handler." if k in HANDLER_KEYS else "") + k: v for k, v in model_kw.items()}
             build_archive(cfg_path, store, key, items)
     return names
 
