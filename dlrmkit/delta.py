@@ -115,6 +115,7 @@ def write_delta(
     sequence: int,
     tables: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
     dense: Mapping[str, torch.Tensor] | None = None,
+    extra: Mapping[str, str] | None = None,
 ) -> Path:
     """Write delta ``sequence`` atomically: the file under a temporary name, renamed into place,
     then its ``.ready`` marker, also renamed into place. ``tables``: name -> (ids, fp32 rows)."""
@@ -136,6 +137,7 @@ def write_delta(
         "tables": ",".join(tables),
         "created": repr(time.time()),
         "checksum": checksum(tensors),
+        **(extra or {}),
     }
     final = delta_path(directory, sequence)
     tmp = directory / f".{final.name}.{os.getpid()}.tmp"
@@ -163,6 +165,7 @@ class Delta:
     created: float
     tables: dict[str, tuple[torch.Tensor, torch.Tensor]]
     dense: dict[str, torch.Tensor]
+    meta: dict[str, str] = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
@@ -204,7 +207,25 @@ def read_delta(path: str | Path) -> Delta:
         created,
         {t: (tensors[f"{t}.ids"], tensors[f"{t}.rows"]) for t in names},
         {k[len(DENSE) :]: v for k, v in tensors.items() if k.startswith(DENSE)},
+        meta,
     )
+
+
+def changes(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> tuple[dict, dict | None]:
+    """What a delta from serving state_dict ``old`` to ``new`` (fp32, as dlrmkit.checkpoint imports
+    them) carries: per table the rows that differ, and every dense parameter if any of them differs."""
+    from dlrmkit.scale import EBC
+
+    prefix = EBC + "embedding_bags."
+    tables = {}
+    for key, w in new.items():
+        if key.startswith(prefix):
+            ids = torch.nonzero((w != old[key]).any(dim=1)).reshape(-1)
+            if len(ids):
+                tables[key[len(prefix) : -len(".weight")]] = (ids, w[ids])
+    dense = {k: v for k, v in new.items() if not k.startswith(EBC)}
+    moved = any(not torch.equal(v, old[k]) for k, v in dense.items())
+    return tables, dense if moved else None
 
 
 @dataclass

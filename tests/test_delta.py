@@ -9,13 +9,14 @@ import json
 import pytest
 import torch
 
-from conftest import FakeContext, tiny_config
+from conftest import TINY, FakeContext, tiny_config
 from dlrm_factory import DLRMFactory
 from dlrmkit.delta import (
     BASE_FILE,
     DeltaApplier,
     DeltaError,
     base_version,
+    changes,
     delta_path,
     fused_rows,
     read_delta,
@@ -23,6 +24,7 @@ from dlrmkit.delta import (
     target_for,
     write_delta,
 )
+from dlrmkit.config import DLRMConfig
 from dlrmkit.errors import ConfigError
 from dlrmkit.scale import EBC, fused_tables
 from helpers import archive, batch, forward
@@ -222,8 +224,6 @@ def test_config_keys():
 def test_the_handler_applies_deltas_at_start_and_tags_answers(tmp_path, model, archived):
     from dlrm_handler import TorchRecDLRMHandler
 
-    from conftest import TINY
-
     (tmp_path / "dlrm.pt").symlink_to(archived)
     (tmp_path / BASE_FILE).write_text(base_version(archived))
     tables, params = diff(model, trained_further(model))
@@ -243,3 +243,63 @@ def test_the_handler_applies_deltas_at_start_and_tags_answers(tmp_path, model, a
 
 def test_no_delta_dir_no_watcher(handler):
     assert handler.deltas is None and handler.config.delta_dir is None
+
+
+def test_publish_delta_from_two_checkpoints(tmp_path, model):
+    import publish_delta
+
+    new = trained_further(model)
+    torch.save(model.state_dict(), tmp_path / "old.pt")
+    torch.save(new.state_dict(), tmp_path / "new.pt")
+    (tmp_path / "c.yaml").write_text(json.dumps({"handler": TINY}))
+    args = ["--config", str(tmp_path / "c.yaml"), "--old", str(tmp_path / "old.pt"), "--out", str(tmp_path / "d")]
+    path = publish_delta.main([*args, "--new", str(tmp_path / "new.pt"), "--base", "b1"])
+    d = read_delta(path)
+    want, dense = changes(model.state_dict(), new.state_dict())
+    assert d.sequence == 1 and d.base == "b1" and set(d.tables) == set(want) and set(d.dense) == set(dense)
+    assert all(torch.equal(d.tables[t][0], ids) for t, (ids, _) in want.items())
+    assert publish_delta.main([*args, "--new", str(tmp_path / "old.pt"), "--base", "b1"]) is None  # no change
+    assert publish_delta.main([*args, "--new", str(tmp_path / "new.pt"), "--base", "b1"]).name.startswith(
+        "delta-00000002"
+    )
+
+
+def test_a_trainer_publishing_every_n_steps_reproduces_its_checkpoint(tmp_path):
+    """checkpoint A + every delta the resumed trainer published == its checkpoint B, bit for bit."""
+    import train
+
+    from dlrmkit.checkpoint import import_checkpoint, write_config
+
+    common = ["--world-size", "1", "--steps", "8", "--heldout", "64", "--rows", "40"]
+    train.main(["--out", str(tmp_path / "a"), *common])
+    train.main(
+        [
+            "--out",
+            str(tmp_path / "b"),
+            "--resume",
+            str(tmp_path / "a"),
+            *common,
+            "--publish-dir",
+            str(tmp_path / "d"),
+            "--publish-every",
+            "3",
+            "--publish-base",
+            "b1",
+        ]
+    )
+    write_config(tmp_path / "a" / "checkpoint", tmp_path / "c.yaml", log=lambda m: None)
+    config = DLRMConfig.from_yaml(tmp_path / "c.yaml")
+    state = import_checkpoint(tmp_path / "a" / "checkpoint", config, log=lambda m: None)
+    want = import_checkpoint(tmp_path / "b" / "checkpoint", config, log=lambda m: None)
+    assert sorted(ready_sequences(tmp_path / "d")) == [1, 2, 3]  # steps 3, 6 and the last, 8
+    for seq in (1, 2, 3):
+        d = read_delta(delta_path(tmp_path / "d", seq))
+        assert d.meta["step"] == str(min(3 * seq, 8)) and d.rows > 0
+        for t, (ids, rows) in d.tables.items():
+            state[TABLE.format(t)][ids] = rows
+        state.update(d.dense)
+    assert not torch.equal(
+        state[TABLE.format("cat_0")],
+        import_checkpoint(tmp_path / "a" / "checkpoint", config, log=lambda m: None)[TABLE.format("cat_0")],
+    )
+    assert all(torch.equal(state[k], v) for k, v in want.items())
