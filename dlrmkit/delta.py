@@ -123,12 +123,12 @@ def write_delta(
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {}  # own copies: safetensors refuses tensors that share memory
     for name, (ids, rows) in tables.items():
-        tensors[f"{name}.ids"] = torch.as_tensor(ids, dtype=torch.int64).reshape(-1).contiguous()
-        tensors[f"{name}.rows"] = torch.as_tensor(rows).detach().to(torch.float32).contiguous()
+        tensors[f"{name}.ids"] = torch.as_tensor(ids, dtype=torch.int64).reshape(-1).clone()
+        tensors[f"{name}.rows"] = torch.as_tensor(rows).detach().to(torch.float32).clone()
     for key, value in (dense or {}).items():
-        tensors[DENSE + key] = value.detach().to(torch.float32).contiguous()
+        tensors[DENSE + key] = value.detach().to(torch.float32).clone()
     meta = {
         "format": FORMAT,
         "model": model,
