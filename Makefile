@@ -102,7 +102,7 @@ image: image-base $(PLUGIN)  ## build the container image deploy/kserve runs (VA
 # Checks before review: ruff's lint over the tree, mypy over the kit (pyproject.toml), and ruff's
 # formatter over the files already formatted (FORMATTED; the rest join as they are reworked).
 FORMATTED := dlrmkit/request.py dlrmkit/schema.py dlrmkit/forms.py scripts/fuzz.py tests/test_fuzz.py \
-             dlrmkit/delta.py tests/test_delta.py tests/test_delta_server.py scripts/publish_delta.py
+             dlrmkit/delta.py tests/test_delta.py tests/test_delta_server.py scripts/publish_delta.py bench/deltas.py
 lint: venv  ## ruff (lint, format) and mypy, as CI runs them before the tests
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check $(FORMATTED)

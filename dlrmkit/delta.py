@@ -48,6 +48,7 @@ DENSE = "dense."
 # Test only: apply without the lock, pausing this many seconds between tables, so that a test can
 # prove its torn-score check catches a torn apply (tests/test_delta_server.py). Never set in serving.
 UNGUARDED_ENV = "DLRM_DELTA_TEST_UNGUARDED_PAUSE_S"
+HANDOVER_S = 0.1  # how long a prepared delta waits for the next batch to write it (DeltaApplier.apply)
 REASONS = (
     "format",
     "model",
@@ -361,6 +362,10 @@ class DeltaApplier:
         self._thread: threading.Thread | None = None
         self._last_gauges = 0.0
         self._locked_ms = 0.0
+        self._pending: Prepared | None = None  # prepared, to be written by the next batch (apply)
+        self._taken = threading.Event()
+        self._last_served = -1e9
+        self.applied_at = time.time()
         pause = os.environ.get(UNGUARDED_ENV)
         self.unguarded_pause = float(pause) if pause else None
         if self.unguarded_pause is not None:
@@ -371,8 +376,12 @@ class DeltaApplier:
 
     @contextlib.contextmanager
     def serving(self) -> Iterator[int]:
-        """Hold for one whole batch's forward: yields the delta sequence it is scored under."""
+        """Hold for one whole batch's forward: yields the delta sequence it is scored under. A
+        delta the watcher has prepared is written first, here, on the serving thread (see ``apply``)."""
         with self.lock:
+            self._last_served = time.monotonic()
+            if self._pending is not None:
+                self._apply_locked(self._pending)
             yield self.applied
 
     def catch_up(self) -> int:
@@ -492,26 +501,46 @@ class DeltaApplier:
         return {n: getattr(shell, n) for n in ("dense_arch", "inter_arch", "over_arch")}
 
     def apply(self, p: Prepared) -> None:
-        """The in-place writes and dense swap, under the lock (all of one delta or none of it)."""
-        t0 = time.perf_counter()
-        if self.unguarded_pause is not None:
+        """Write ``p`` under the lock: all of one delta or none of it, between two batches.
+
+        While batches are being served, the write is handed to the serving thread (``serving``
+        does it before its next forward, at the serving thread's priority: a low-priority watcher
+        holding the lock would stall the batches waiting for it); when idle, or if no batch comes
+        within HANDOVER_S, the watcher writes it itself."""
+        if self.unguarded_pause is not None:  # the test-only torn apply: no lock, a pause between tables
             for view, ids, src in p.writes:
                 view.index_copy_(0, ids, src)
                 time.sleep(self.unguarded_pause)
             self._swap(p)
         else:
+            self._taken.clear()
             with self.lock:
-                with torch.no_grad():
-                    for view, ids, src in p.writes:
-                        view.index_copy_(0, ids, src)
-                self._swap(p)
-        self._locked_ms = (time.perf_counter() - t0) * 1000
+                busy = time.monotonic() - self._last_served < 1.0
+                if not busy:
+                    self._apply_locked(p)
+                else:
+                    self._pending = p
+            if busy and not self._taken.wait(HANDOVER_S):
+                with self.lock:
+                    if self._pending is p:
+                        self._apply_locked(p)
         self._write_state()
+
+    def _apply_locked(self, p: Prepared) -> None:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for view, ids, src in p.writes:
+                view.index_copy_(0, ids, src)
+        self._swap(p)
+        self._pending = None
+        self._locked_ms = (time.perf_counter() - t0) * 1000
+        self._taken.set()
 
     def _swap(self, p: Prepared) -> None:
         for name, part in p.dense_parts.items():
             setattr(self.model, name, part)
         self.applied = p.delta.sequence
+        self.applied_at = time.time()
 
     def _write_state(self) -> None:
         """<model dir>/delta-state/<pid>.json: this worker's sequence, for the OIP metadata."""
@@ -525,7 +554,7 @@ class DeltaApplier:
                     "sequence": self.applied,
                     "base": self.target.base,
                     "pid": os.getpid(),
-                    "applied_at": time.time(),
+                    "applied_at": self.applied_at,
                     "rows_applied": self.rows_applied,
                 }
             )

@@ -275,6 +275,7 @@ class Publisher:
 
         from dlrmkit.delta import write_delta
 
+        stepped = time.time()  # the step is done: freshness lag counts from here
         tracked = self.dmp.get_delta_tracker().get_unique()
         state = self.dmp.state_dict()
         mine = {}
@@ -290,7 +291,7 @@ class Publisher:
         tables = {t: rows for part in gathered for t, rows in part.items()}
         dense = {k[len("model."):]: v for k, v in state.items() if not k.startswith(self.PREFIX)}
         path = write_delta(self.args.publish_dir, self.args.publish_model, self.args.publish_base, self.sequence,
-                           tables, dense, extra={"step": str(step)})
+                           tables, dense, extra={"step": str(step), "step_time": repr(stepped)})
         self.log(f"step {step}: delta {path.name}, {sum(len(i) for i, _ in tables.values())} rows")
         self.sequence += 1
 
