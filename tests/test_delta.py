@@ -115,6 +115,8 @@ def test_applied_delta_serves_what_a_rebuilt_archive_serves(tmp_path, model, dty
     after = forward(app.model, dense, kjt)
     assert not torch.allclose(before, after, atol=1e-3)  # the delta moved the scores
     torch.testing.assert_close(after, forward(rebuilt, dense, kjt), atol=1e-6, rtol=1e-6)
+    rebuilt_bytes = table_bytes(rebuilt)  # byte for byte, padding included
+    assert all(torch.equal(v, rebuilt_bytes[k]) for k, v in table_bytes(app.model).items())
     assert json.loads((tmp_path / "delta-state").glob("*.json").__next__().read_text())["sequence"] == 1
 
 
