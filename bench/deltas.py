@@ -75,7 +75,7 @@ class Applied(threading.Thread):
 
     def __init__(self, pids: list[int]):
         super().__init__(daemon=True)
-        self.pids, self.seen, self.stop = pids, {}, threading.Event()
+        self.pids, self.seen, self.locked, self.stop = pids, {}, {}, threading.Event()
 
     def run(self):
         # a TorchServe worker runs in its model's directory, where it writes delta-state/<pid>.json
@@ -87,6 +87,7 @@ class Applied(threading.Thread):
                 except (OSError, ValueError):
                     continue
                 self.seen.setdefault((s["pid"], s["sequence"]), s["applied_at"])
+                self.locked.setdefault((s["pid"], s["sequence"]), s.get("locked_ms"))
 
     def everywhere(self, seq: int, pids: list[int]) -> float | None:
         times = [self.seen.get((p, seq)) for p in pids]
@@ -197,11 +198,12 @@ def under_load(tmp: Path, dtype: str, a) -> dict:
             w = int((t0 - start) // WINDOW_S)
             if 0 < w < a.seconds // WINDOW_S:  # the first window warms up
                 lat[w % 2].append((t1 - t0) * 1000)
-        per_size = {}
+        per_size, locked = {}, {}
         for seq, n, visible, _ in published:
             when = applied.everywhere(seq, pids)
             if when is not None:
                 per_size.setdefault(n, []).append((when - visible) * 1000)
+                locked.setdefault(n, []).extend(applied.locked[(p, seq)] for p in pids)
         out = {
             "dtype": dtype,
             "answers": len(answers),
@@ -214,6 +216,8 @@ def under_load(tmp: Path, dtype: str, a) -> dict:
             "p50_ms_during": percentile(lat[1], 50),
             "apply_ms_median": {n: percentile(v, 50) for n, v in sorted(per_size.items())},
             "apply_ms_max": {n: max(v) for n, v in sorted(per_size.items())},
+            "locked_ms_median": {n: percentile([x for x in v if x is not None], 50) for n, v in sorted(locked.items())},
+            "host_loadavg_1m": os.getloadavg()[0],  # this host is shared: the load the figures were made under
             "sequences_seen": len({s for _, _, s, _ in answers}),
         }
         out["p99_ratio"] = out["p99_ms_during"] / out["p99_ms_without"]
@@ -323,14 +327,15 @@ def report(res: dict, path: Path) -> None:
         "",
         f"`{res['command']}`",
         "",
-        "| tables | answers | failed | torn | deltas | p99 without / during (ms) | ratio | apply ms median by rows (max) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| tables | answers | failed | torn | deltas | p99 without / during (ms) | ratio | apply ms median by rows (max) | lock held ms median |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["load"]:
         apply = ", ".join(f"{n}: {m:.0f} ({r['apply_ms_max'][n]:.0f})" for n, m in r["apply_ms_median"].items())
+        held = ", ".join(f"{n}: {m:.1f}" for n, m in r["locked_ms_median"].items())
         lines.append(
             f"| {r['dtype']} | {r['answers']} | {r['failed']} | {r['torn']} | {r['deltas']} | "
-            f"{r['p99_ms_without']:.1f} / {r['p99_ms_during']:.1f} | {r['p99_ratio']:.2f} | {apply} |"
+            f"{r['p99_ms_without']:.1f} / {r['p99_ms_during']:.1f} | {r['p99_ratio']:.2f} | {apply} | {held} |"
         )
     if res.get("freshness"):
         f = res["freshness"]

@@ -566,6 +566,7 @@ class DeltaApplier:
                     "base": self.target.base,
                     "pid": os.getpid(),
                     "applied_at": self.applied_at,
+                    "locked_ms": round(self._locked_ms, 3),
                     "rows_applied": self.rows_applied,
                 }
             )
