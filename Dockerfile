@@ -41,17 +41,23 @@ RUN cd /src && if [ "${VARIANT}" = cuda ]; then mkdir -p /opt/dlrm/model; else \
       --mount /opt/dlrm/model --port 8080 --config model-config.yaml; fi
 
 FROM ${BASE}
+# g++ and python3-dev: a reduced-precision dense half (handler.dense_precision bf16/int8) is compiled
+# by Inductor at worker start for the CPU it runs on: C++ kernels built as Python extensions (omp.h,
+# Python.h). Compiled on the serving CPU rather than carried, so an image serves on any x86 host.
 RUN apt-get update && apt-get install -y --no-install-recommends python3 openjdk-17-jre-headless tini \
+    g++ python3-dev \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --uid 1000 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin model-server
 COPY --from=build /opt/venv /opt/venv
 COPY build/docker/plugins/ /opt/dlrm/plugins/
 COPY scripts/container_entrypoint.py /opt/dlrm/entrypoint.py
 COPY --from=build /opt/dlrm/model /opt/dlrm/model
+# OMP_WAIT_POLICY=PASSIVE: idle OpenMP threads sleep rather than spin on a core another worker or the
+# frontend needs (handler.large_batch_rows runs a large batch on every core; docs/performance.md).
 # Only /tmp is writable under Kubernetes' readOnlyRootFilesystem (an emptyDir): TorchServe's
 # logs/ and snapshots, its pid file and the workers' sockets and model folders all go there.
 ENV PATH=/opt/venv/bin:$PATH HOME=/tmp TMPDIR=/tmp LOG_LOCATION=/tmp/logs METRICS_LOCATION=/tmp/logs \
-    PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+    PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE
 WORKDIR /tmp
 USER 1000:1000
 EXPOSE 8080 8085 7070 8082

@@ -101,8 +101,9 @@ image: image-base $(PLUGIN)  ## build the container image deploy/kserve runs (VA
 
 # Checks before review: ruff's lint over the tree, mypy over the kit (pyproject.toml), and ruff's
 # formatter over the files already formatted (FORMATTED; the rest join as they are reworked).
-FORMATTED := dlrmkit/request.py dlrmkit/schema.py dlrmkit/forms.py scripts/fuzz.py tests/test_fuzz.py \
-             dlrmkit/delta.py tests/test_delta.py tests/test_delta_server.py scripts/publish_delta.py bench/deltas.py
+FORMATTED := dlrmkit/request.py dlrmkit/schema.py dlrmkit/forms.py dlrmkit/dense.py scripts/fuzz.py tests/test_fuzz.py \
+  tests/test_dense.py bench/common.py bench/mlperf.py bench/server_scenario.py tests/test_bench.py \
+  dlrmkit/delta.py tests/test_delta.py tests/test_delta_server.py scripts/publish_delta.py bench/deltas.py
 lint: venv  ## ruff (lint, format) and mypy, as CI runs them before the tests
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check $(FORMATTED)
@@ -123,10 +124,13 @@ unit: venv  ## unit tests only (no TorchServe, no container)
 integration: venv $(PLUGIN)  ## integration tests only (real TorchServe)
 	$(PY) -m pytest -q -m integration
 
-# Benchmark (results/benchmark.{json,md,png}); see docs/performance.md. ~15 minutes.
-bench: venv  ## the performance benchmark (results/benchmark.*), ~15 minutes
+# Benchmark (results/benchmark.{json,md,png}), then MLPerf's Server scenario under LoadGen
+# (results/server-scenario.{json,md,png}, LoadGen's summaries in results/loadgen/); see
+# docs/performance.md. ~30 minutes.
+bench: venv  ## the benchmark and the Server scenario under MLPerf LoadGen (results/benchmark.*, server-scenario.*), ~30 minutes
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) bench/benchmark.py
+	$(PY) bench/server_scenario.py
 
 # TorchServe's netty/queue/batching settings, A/B against the shipped ones (results/knobs.*).
 knobs: venv  ## measure TorchServe's settings against the shipped ones (results/knobs.*), ~10 minutes

@@ -32,7 +32,7 @@ from ts.utils.util import PredictionException
 from dlrmkit.config import DLRMConfig
 from dlrmkit.batch import collate, scores
 from dlrmkit.forms import RequestParser
-from dlrmkit.cpus import torch_threads
+from dlrmkit.cpus import available_cpus, forward_threads, torch_threads
 from dlrmkit import dense as dense_half
 from dlrmkit import delta as live
 from dlrmkit.errors import BadRequest, ConfigError, RequestError
@@ -86,6 +86,10 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         # maxWorkers when the config pins it, else the CPU rule's count (tsctl starts that many)
         workers = (context.model_yaml_config or {}).get("maxWorkers")
         torch.set_num_threads(torch_threads(self.config.torch_threads, workers))
+        self.threads, self.cpus = torch.get_num_threads(), available_cpus()
+        if self.config.large_batch_rows and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+            logger.warning("handler.large_batch_rows without OMP_WAIT_POLICY=PASSIVE in the worker's environment: "
+                           "OpenMP's threads spin on cores the other workers need (scripts/tsctl.py sets it)")
         started = time.perf_counter()
         factory = DLRMFactory(self.config)
         self.model = factory.load(os.path.join(model_dir, serialized), devices)
@@ -99,10 +103,12 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         self.initialized = True
         logger.info(
             "DLRM loaded on %s in %.1f s: %d dense, %d sparse features, %d embedding rows (%s), output %s, "
-            "%d torch threads, frozen: %s; dense half: %s",
+            "%d torch threads%s, frozen: %s; dense half: %s",
             ", ".join(map(str, devices)) + (" (tables sharded)" if len(devices) > 1 else ""),
             time.perf_counter() - started, self.config.num_dense_features, self.config.num_features,
-            sum(self.config.num_embeddings), self.config.embedding_dtype, self.config.output, torch.get_num_threads(),
+            sum(self.config.num_embeddings), self.config.embedding_dtype, self.config.output, self.threads,
+            f" ({self.cpus} from {self.config.large_batch_rows} rows, OMP_WAIT_POLICY "
+            f"{os.environ.get('OMP_WAIT_POLICY', 'unset')})" if self.config.large_batch_rows else "",
             ", ".join(frozen) or "nothing", dense,
         )
 
@@ -168,6 +174,9 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         batches, errors, n = data
         results = {}
         for batch, index in batches:
+            threads = forward_threads(batch.dense.shape[0], self.threads, self.config.large_batch_rows, self.cpus)
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
             try:
                 per_request = scores(self.model, batch, self.config)
             except Exception as e:  # the server's fault, not a request's: fail this batch only

@@ -10,8 +10,8 @@ other is loaded; the shipped config.properties, with each archive's own model co
 in turn, point by point, the order of A and B swapped every round, so that a drift of the shared
 machine hits both alike. A point is a request kind and a concurrency: single-row requests
 (``1``) or 128-row ranking-form requests (``ranking``) of the archive's config, closed-loop; or
-``scenario:RATE``, the MLPerf-shaped Server scenario's queries (bench/server_scenario.py:
-100-700 pairs, open-loop Poisson arrivals) at RATE queries/s. Reports per point the median req/s
+``scenario:RATE``, the MLPerf-shaped Server scenario's queries (bench/mlperf.py:
+100-700 pairs, MLPerf's LoadGen in the Server scenario) offered at RATE queries/s. Reports per point the median req/s
 and p50/p99 of each and the median over rounds of B's req/s over A's from the same round (for a
 scenario point, whose req/s is its rate, B's p99 over A's, and the rounds whose p99 stayed
 <= 60 ms). Writes OUT.json and OUT.md.
@@ -30,13 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "scripts")]
-from benchmark import RANKING, log, make_kind, measure_load, rows_of, write_report  # noqa: E402
-from server_scenario import P99_BOUND_MS, make_query, mlperf_bags, probe, query_pairs  # noqa: E402
-from tsctl import ROOT, Server  # noqa: E402
-
-sys.path.insert(0, str(ROOT))
+import mlperf
+from common import RANKING, ROOT, log, make_kind, measure_load, rows_of, serving, write_report
 
 
 SCENARIO = "scenario"  # KIND of an open-loop point: its number is a query rate
@@ -90,7 +85,7 @@ def main() -> int:
     pools = {kind: [make_kind(kind, cfg, rng) for _ in range(256 if kind == 1 else 16)]
              for kind, _ in points if kind != SCENARIO}
     if any(kind == SCENARIO for kind, _ in points):
-        pools[SCENARIO] = [(n, make_query(cfg, rng, n, mlperf_bags(cfg))) for n in (query_pairs(rng) for _ in range(48))]
+        pools[SCENARIO] = mlperf.query_pool(cfg, 256)
     first = pools[points[0][0]][0]
     started = time.perf_counter()
     runs = {p: {"a": [], "b": []} for p in points}
@@ -99,31 +94,26 @@ def main() -> int:
         store.mkdir()
         for name in ("a", "b"):
             shutil.copy(getattr(args, name), store / f"{name}.mar")
-        srv = Server.on_free_ports(Path(tmp) / "home", model_store=store, overrides={"load_models": "a=a.mar,b=b.mar"})
-        log(f"starting TorchServe with A={args.a} and B={args.b}")
-        srv.start()
-        try:
-            for name in ("a", "b"):
-                srv.wait_ready(name, first[1] if isinstance(first, tuple) else first, timeout=300)
+        probe = first[1] if isinstance(first, tuple) else first
+        with serving(Path(tmp) / "home", store, {"a": probe, "b": probe}, timeout=300) as srv:
             if SCENARIO in pools:  # the frontend's JIT warms up on these large bodies before round 1
                 for name in ("a", "b"):
-                    probe(srv, name, pools[SCENARIO], min(c for k, c in points if k == SCENARIO), args.duration, seed=99)
+                    rate = min(c for k, c in points if k == SCENARIO)
+                    mlperf.run(f"{srv.url}/predictions/{name}", pools[SCENARIO], rate, args.duration, min_queries=1)
             for r in range(args.rounds):
                 for point in points:
                     kind, c = point
                     for name in ("a", "b") if r % 2 == 0 else ("b", "a"):
+                        url = f"{srv.url}/predictions/{name}"
                         if kind == SCENARIO:
-                            p = probe(srv, name, pools[kind], c, args.duration, seed=r)
+                            p = mlperf.run(url, pools[kind], c, args.duration, min_queries=1)
                             got = {"requests_per_s": p["queries_per_s"], "p50_ms": p["p50_ms"], "p99_ms": p["p99_ms"],
-                                   "errors": p["failed"], "ok": p["ok"]}
+                                   "errors": p["errors"], "ok": p["p99_ms"] <= mlperf.P99_BOUND_MS and not p["errors"]}
                         else:
-                            got = measure_load(f"{srv.url}/predictions/{name}", pools[kind], rows_of(kind), c,
-                                               args.duration)
+                            got = measure_load(url, pools[kind], rows_of(kind), c, args.duration)
                         runs[point][name].append(got)
                         log(f"round {r + 1}/{args.rounds} {kind}:{c} {name.upper()}: {got['requests_per_s']:,.1f} req/s, "
                             f"p50 {got['p50_ms']:.2f} ms, p99 {got['p99_ms']:.1f} ms")
-        finally:
-            srv.stop()
 
     report = {"command": "python bench/ab_archives.py " + " ".join(sys.argv[1:]), "a": args.a, "b": args.b,
               "rounds": args.rounds, "duration_s": args.duration, "points": []}
@@ -138,7 +128,7 @@ def main() -> int:
         if kind == SCENARIO:
             ratios = [b["p99_ms"] / a["p99_ms"] for a, b in zip(ab["a"], ab["b"])]
             passed = {n: sum(x["ok"] for x in ab[n]) for n in ab}
-            what = (f"scenario queries, open loop at {c:g}/s (B / A: p99; p99 <= {P99_BOUND_MS:.0f} ms in A "
+            what = (f"scenario queries, LoadGen at {c:g}/s (B / A: p99; p99 <= {mlperf.P99_BOUND_MS:.0f} ms in A "
                     f"{passed['a']}/{len(ab['a'])}, B {passed['b']}/{len(ab['b'])} rounds)")
         else:
             passed = None

@@ -4,7 +4,8 @@
     python bench/benchmark.py                  # what `make bench` runs; ~15 minutes
     python bench/benchmark.py --duration 3     # a quick look
 
-One run, one machine, six parts (the Criteo-layout config by default):
+One run, one machine, five parts (the Criteo-layout config by default; `make bench` runs
+bench/server_scenario.py after it, MLPerf's Server scenario under LoadGen):
   1. raw model forward as served (fp32 tables in fbgemm's fused kernel, dense and over arch
      jit-frozen): rows/s and p50/p99 per call at batch 1, 32, 128, 512; the previous path (the
      same weights in torchrec's unfused EmbeddingBagCollection, eager) and the served model
@@ -20,13 +21,10 @@ One run, one machine, six parts (the Criteo-layout config by default):
   4. the same load against a trivial echo handler served with the same TorchServe settings;
   5. both sides of every served target back to back, in turns: the DLRM and echo points, the
      served model's raw forward in this process, the host's raw forward on every CPU
-     (server_scenario.HostForward) and the model pinned to the previous 1 worker x 1 thread;
-  6. the MLPerf-shaped Server scenario (bench/server_scenario.py) for --config's model, for
-     --scenario-configs, each served on its own, and for --config's model served on its own with
-     --scenario-ranking-batch-size.
+     (common.HostForward) and the model pinned to the previous 1 worker x 1 thread.
 Writes results/benchmark.json, results/benchmark.md and results/benchmark.png, and computes the
 targets from this run's own figures (ratios within one run; the served ones from part 5), with
-the CPU ceiling of the ranking and scenario ratios beside them (cpu_ceiling).
+the CPU ceiling of the ranking ratios beside them (cpu_ceiling).
 """
 
 from __future__ import annotations
@@ -34,8 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import random
 import statistics
 import subprocess
@@ -44,96 +40,19 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "scripts")]
-from loadgen import percentile, run_load  # noqa: E402
-from tsctl import ROOT, Server, get, post  # noqa: E402
-
-sys.path.insert(0, str(ROOT))
+from common import (  # noqa: F401  (the request kinds, for the scripts that reuse bench_served)
+    COLUMNS, COLUMNS_ALL, CRITEO_TSV, HERE, RANKING, RANKING_ROWS, ROOT, V2_BINARY, HostForward, build_archive, serving,
+    cpu_seconds, form_of, frontend_pid, jit_cpu_seconds, load_served, log, machine, make_body, make_kind,
+    measure_load, metric_value, raw_caller, request_loop, rows_of, timed_calls, unpack, v2_bodies, write_report,
+)
+from load import percentile, run_load
+from tsctl import Server, post
 
 BATCHES = (1, 32, 128, 512)
 CONCURRENCY = (1, 16, 64)
-RANKING_ROWS = 128
-RANKING = "ranking"  # the 128-row ranking form, beside the 128-row instances form
-COLUMNS = "columns"  # the same 128 rows as RANKING: the context plus the candidates as columns
-COLUMNS_ALL = "columns-all"  # the same 128 rows as instances (every feature), as columns
-CRITEO_TSV = "criteo-tsv"  # 128 raw Criteo lines (handler.raw_input: criteo_tsv): parse + transform + collate
-V2_BINARY = "v2-binary"  # 128 rows as Open Inference Protocol v2 binary tensors (in-process only)
 QUANTIZED = ("fp16", "int8")  # served at the headline points beside fp32
 SHIPPED_BEFORE = "dlrm_1x1"  # the same model pinned to the previous default, 1 worker x 1 thread
 
-
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-# --- requests ------------------------------------------------------------------------------------
-
-def make_instance(cfg, rng: random.Random) -> dict:
-    """A Criteo-like row: every feature present, one id each (ids within the table)."""
-    return {
-        "dense": [round(rng.uniform(-2, 2), 4) for _ in range(cfg.num_dense_features)],
-        "sparse": {"keys": list(cfg.sparse_features),
-                   "values": [rng.randrange(n) for n in cfg.num_embeddings],
-                   "lengths": [1] * cfg.num_features},
-    }
-
-
-def make_body(cfg, rng, rows: int) -> bytes:
-    if rows == 1:
-        return json.dumps(make_instance(cfg, rng)).encode()
-    return json.dumps({"instances": [make_instance(cfg, rng) for _ in range(rows)]}).encode()
-
-
-def make_ranking_body(cfg, rng, rows: int) -> bytes:
-    """One user, ``rows`` candidates: the dense features and the first half of the sparse
-    features (the user's) sent once in the context, the other half per candidate."""
-    half = cfg.num_features // 2
-    user = make_instance(cfg, rng)
-    context = {"dense": user["dense"], "sparse": {"keys": list(cfg.sparse_features[:half]),
-                                                  "values": user["sparse"]["values"][:half], "lengths": [1] * half}}
-    keys = list(cfg.sparse_features[half:])
-    candidates = [{"sparse": {"keys": keys, "values": [rng.randrange(n) for n in cfg.num_embeddings[half:]],
-                              "lengths": [1] * len(keys)}} for _ in range(rows)]
-    return json.dumps({"context": context, "candidates": candidates}).encode()
-
-
-def make_columns_body(cfg, rng, rows: int, context: bool = True) -> bytes:
-    """``rows`` rows as columns, single-hot (lengths left out). With ``context``: the rows of
-    make_ranking_body (dense and the first half of the sparse features once, in the context);
-    without: the rows of make_body (every feature a column)."""
-    half = cfg.num_features // 2 if context else 0
-    user = make_instance(cfg, rng)
-    columns = {"sparse": {f: {"values": [rng.randrange(n) for _ in range(rows)]}
-                          for f, n in zip(cfg.sparse_features[half:], cfg.num_embeddings[half:])}}
-    if not context:
-        return json.dumps({"columns": {"dense": [make_instance(cfg, rng)["dense"] for _ in range(rows)], **columns}}).encode()
-    ctx = {"dense": user["dense"], "sparse": {"keys": list(cfg.sparse_features[:half]),
-                                              "values": user["sparse"]["values"][:half], "lengths": [1] * half}}
-    return json.dumps({"context": ctx, "columns": columns}).encode()
-
-
-def rows_of(kind) -> int:
-    """Rows per request of a request kind: an int (instances form) or a form's name."""
-    return kind if isinstance(kind, int) else RANKING_ROWS
-
-
-def form_of(kind) -> str:
-    return kind if isinstance(kind, str) else "instances"
-
-
-def make_kind(kind, cfg, rng) -> bytes:
-    if kind == RANKING:
-        return make_ranking_body(cfg, rng, RANKING_ROWS)
-    if kind in (COLUMNS, COLUMNS_ALL):
-        return make_columns_body(cfg, rng, RANKING_ROWS, context=kind == COLUMNS)
-    if kind == V2_BINARY:
-        return v2_bodies(cfg, rng, RANKING_ROWS)[1]
-    if kind == CRITEO_TSV:  # as TorchServe hands a text/* body over: str
-        return "\n".join("\t".join([str(rng.randrange(2))] + [str(rng.randrange(-3, 1000)) for _ in range(13)]
-                                   + [format(rng.getrandbits(32), "08x") for _ in range(26)])
-                         for _ in range(RANKING_ROWS)) + "\n"
-    return make_body(cfg, rng, kind)
 
 
 def v2_header_length(body: bytes) -> int:
@@ -142,35 +61,6 @@ def v2_header_length(body: bytes) -> int:
 
 
 # --- 1. raw forward ------------------------------------------------------------------------------
-
-def timed_calls(fn, min_s: float, max_calls: int = 2000) -> list[float]:
-    for _ in range(3):
-        fn()
-    out, t_end = [], time.perf_counter() + min_s
-    while time.perf_counter() < t_end and len(out) < max_calls:
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
-def raw_caller(cfg, b: int, rng: random.Random):
-    """``caller(model)``: a function that runs one forward of ``model`` on b random single-hot rows."""
-    import torch
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    bodies = [make_instance(cfg, rng) for _ in range(b)]
-    dense = torch.tensor([i["dense"] for i in bodies], dtype=torch.float32)
-    values = torch.tensor([i["sparse"]["values"] for i in bodies], dtype=torch.int64).t().reshape(-1)
-    kjt = KeyedJaggedTensor(keys=list(cfg.sparse_features), values=values,
-                            lengths=torch.ones(cfg.num_features * b, dtype=torch.int64))
-
-    def caller(m):
-        def call():
-            with torch.inference_mode():
-                return m(dense, kjt)
-        return call
-    return caller
 
 
 def paced_p50(call, seconds: float) -> float:
@@ -357,22 +247,14 @@ def build_archives(cfg_path: Path, store: Path) -> None:
     """The DLRM archive (as configured), the same model with fp16 and int8 tables
     (dlrm_fp16, dlrm_int8) and pinned to 1 worker x 1 thread (SHIPPED_BEFORE), and an echo
     archive with the same TorchServe settings."""
+    import os
+
     import yaml
 
-    subprocess.run([sys.executable, str(HERE.parent / "scripts" / "build_mar.py"), "--config", str(cfg_path),
-                    "--output-dir", str(store), "--force"], check=True)
+    build_archive(cfg_path, store, "dlrm")
     for dtype in QUANTIZED:
-        doc = yaml.safe_load(cfg_path.read_text())
-        doc["handler"]["embedding_dtype"] = dtype
-        (store / f"config-{dtype}.yaml").write_text(yaml.safe_dump(doc))
-        subprocess.run([sys.executable, str(HERE.parent / "scripts" / "build_mar.py"), "--config", str(store / f"config-{dtype}.yaml"),
-                        "--output-dir", str(store), "--model-name", f"dlrm_{dtype}", "--force"], check=True)
-    doc = yaml.safe_load(cfg_path.read_text())  # the previous default: 1 worker x 1 thread
-    doc.update(minWorkers=1, maxWorkers=1)
-    doc["handler"]["torch_threads"] = 1
-    (store / "config-1x1.yaml").write_text(yaml.safe_dump(doc))
-    subprocess.run([sys.executable, str(HERE.parent / "scripts" / "build_mar.py"), "--config", str(store / "config-1x1.yaml"),
-                    "--output-dir", str(store), "--model-name", SHIPPED_BEFORE, "--force"], check=True)
+        build_archive(cfg_path, store, f"dlrm_{dtype}", {"handler.embedding_dtype": dtype})
+    build_archive(cfg_path, store, SHIPPED_BEFORE, {"workers": 1, "handler.torch_threads": 1})  # the previous default
     doc = yaml.safe_load(cfg_path.read_text())
     doc.pop("handler", None)
     echo_cfg = store / "echo-config.yaml"
@@ -382,24 +264,6 @@ def build_archives(cfg_path: Path, store: Path) -> None:
                     "--config-file", str(echo_cfg), "--export-path", str(store), "--force"], check=True,
                    # the archiver stages (and first deletes) $TMPDIR/<model name>: keep it private
                    env={**os.environ, "TMPDIR": str(store)})
-
-
-def request_loop(pool: list[bytes]):
-    """``next_request`` for run_load, cycling through ``pool``, and a list whose [0] counts the
-    answers other than 200."""
-    errors = [0]
-
-    def next_request(i):
-        def check(status, _answer):
-            if status != 200:
-                errors[0] += 1
-        return pool[i % len(pool)], check
-
-    return next_request, errors
-
-
-def warm_up(url: str, next_request, concurrency: int, duration: float) -> None:
-    asyncio.run(run_load(url, next_request, concurrency, min(2.0, duration), 100_000))
 
 
 def warm_up_server(srv: Server, models: list[str], bodies: dict, seconds: float) -> None:
@@ -418,25 +282,6 @@ def warm_up_server(srv: Server, models: list[str], bodies: dict, seconds: float)
             asyncio.run(run_load(f"{srv.url}/predictions/{m}", next_request, 16, share, 2_000_000))
 
 
-def measure_load(url: str, pool: list[bytes], rows: int, concurrency: int, duration: float) -> dict:
-    """A warm-up, then ``duration`` s of closed-loop load: req/s, rows/s, p50, p99, errors."""
-    next_request, errors = request_loop(pool)
-    warm_up(url, next_request, concurrency, duration)
-    errors[0] = 0
-    res = asyncio.run(run_load(url, next_request, concurrency, duration, 2_000_000))
-    return {"requests_per_s": res.answered / res.wall_s, "rows_per_s": res.answered * rows / res.wall_s,
-            "p50_ms": res.percentile(50), "p99_ms": res.percentile(99), "errors": errors[0] + res.transport_errors}
-
-
-def write_report(out: Path, report: dict, lines: list[str]) -> None:
-    """OUT.json (the report) and OUT.md (its table, also printed)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    log(f"done in {report['wall_s']} s: {out}.json, {out}.md")
-
-
 def bench_served(srv: Server, model: str, bodies: dict, duration: float, profile_to: Path | None = None,
                  points: list | None = None) -> list[dict]:
     """Each (request kind, concurrency) point, by default every kind in ``bodies`` (1 and
@@ -449,7 +294,7 @@ def bench_served(srv: Server, model: str, bodies: dict, duration: float, profile
         rows = rows_of(kind)
         url = f"{srv.url}/predictions/{model}"
         next_request, errors = request_loop(pool)
-        warm_up(url, next_request, c, duration)  # then the measured run
+        asyncio.run(run_load(url, next_request, c, min(2.0, duration), 100_000))  # a warm-up, then the measured run
         errors[0] = 0
         spy = None
         raw_profile = None
@@ -511,7 +356,7 @@ def bench_turns(srv: Server, model, cfg, bodies: dict, turns: int, seconds: floa
     The single pass of part 3 measures the raw forward minutes before the served points and
     the echo points minutes after them: a burst of other work on the shared machine in between
     moved its ratios (ranking form at c=16: 0.72-1.03 over eight runs of one commit); here it
-    moves both sides of a ratio alike. The 128-row forms divide by ``host`` (server_scenario.
+    moves both sides of a ratio alike. The 128-row forms divide by ``host`` (common.
     HostForward: the forward on every CPU, the better of N processes and N threads); the
     single-row c=64 point is also set against the same model served as before this round
     (SHIPPED_BEFORE: 1 worker x 1 thread). Returns, per turn, each step's figure (p50 ms at c=1,
@@ -547,25 +392,6 @@ def bench_turns(srv: Server, model, cfg, bodies: dict, turns: int, seconds: floa
     return out
 
 
-def v2_bodies(cfg, rng, rows: int) -> tuple[bytes, bytes, int]:
-    """One ranking request as Open Inference Protocol v2: JSON, and binary (tritonclient's
-    default). Returns (json body, binary body, its JSON header's length): the header is the
-    same for every request of one shape, so one Inference-Header-Content-Length serves all."""
-    import numpy as np
-
-    dense = np.array([[rng.uniform(-2, 2) for _ in range(cfg.num_dense_features)] for _ in range(rows)], np.float32)
-    ids = {f: np.array([rng.randrange(n) for _ in range(rows)], np.int64)
-           for f, n in zip(cfg.sparse_features, cfg.num_embeddings)}
-    tensors = [("dense", "FP32", [rows, cfg.num_dense_features], dense)] + [(f, "INT64", [rows], v) for f, v in ids.items()]
-    as_json = {"inputs": [{"name": n, "datatype": t, "shape": s, "data": a.reshape(-1).tolist()} for n, t, s, a in tensors],
-               "parameters": {"binary_data_output": False}}
-    raws = [a.astype(a.dtype.newbyteorder("<")).tobytes() for *_, a in tensors]
-    header = json.dumps({"inputs": [{"name": n, "datatype": t, "shape": s, "parameters": {"binary_data_size": len(r)}}
-                                    for (n, t, s, _), r in zip(tensors, raws)],
-                         "parameters": {"binary_data_output": True}}).encode()
-    return json.dumps(as_json).encode(), header + b"".join(raws), len(header)
-
-
 def bench_v2(srv: Server, cfg, rng, duration: float, concurrency: int = 16) -> list[dict]:
     """128-row ranking requests on KServe's v2 route at c=16: JSON beside the binary tensor
     extension (docs/kubernetes.md); the /predictions figures are in bench_served."""
@@ -575,62 +401,14 @@ def bench_v2(srv: Server, cfg, rng, duration: float, concurrency: int = 16) -> l
     for encoding in ("json", "binary"):
         bodies = [b[0] if encoding == "json" else b[1] for b in pool]
         headers = {"Inference-Header-Content-Length": str(pool[0][2])} if encoding == "binary" else None
-        errors = [0]
-
-        def next_request(i, bodies=bodies):
-            def check(status, _answer):
-                errors[0] += status != 200
-            return bodies[i % len(bodies)], check
-
-        asyncio.run(run_load(url, next_request, concurrency, min(2.0, duration), 100_000, headers))
-        res = asyncio.run(run_load(url, next_request, concurrency, duration, 2_000_000, headers))
+        res = measure_load(url, bodies, RANKING_ROWS, concurrency, duration, headers)
         row = {"protocol": f"v2-{encoding}", "rows_per_request": RANKING_ROWS, "concurrency": concurrency,
-               "request_bytes": len(bodies[0]), "requests_per_s": round(res.answered / res.wall_s, 1),
-               "rows_per_s": round(res.answered * RANKING_ROWS / res.wall_s),
-               "p50_ms": round(res.percentile(50), 2), "p99_ms": round(res.percentile(99), 2),
-               "errors": errors[0] + res.transport_errors}
+               "request_bytes": len(bodies[0]), "requests_per_s": round(res["requests_per_s"], 1),
+               "rows_per_s": round(res["rows_per_s"]), "p50_ms": round(res["p50_ms"], 2),
+               "p99_ms": round(res["p99_ms"], 2), "errors": res["errors"]}
         out.append(row)
         log(f"v2 {encoding} {RANKING_ROWS}-row requests ({row['request_bytes']:,} B), c={concurrency}: "
             f"{row['rows_per_s']:,} rows/s, p50 {row['p50_ms']} ms, errors {row['errors']}")
-    return out
-
-
-def metric_value(srv: Server, model: str, name: str) -> float:
-    """A model's counter from TorchServe's Prometheus text (0 if absent, e.g. for echo)."""
-    import re
-
-    _, body, _ = get(f"{srv.metrics_url}/metrics")
-    m = re.search(rf'^{name}{{[^}}]*ModelName="{model}"[^}}]*}} ([0-9.eE+-]+)$', body.decode(), re.M)
-    return float(m.group(1)) if m else 0.0
-
-
-def frontend_pid(srv: Server) -> int:
-    return int((srv.home / "tmp" / ".model_server.pid").read_text().split()[0])
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    import psutil  # comes with torchserve
-
-    total = 0.0
-    for pid in pids:
-        t = psutil.Process(pid).cpu_times()
-        total += t.user + t.system + t.children_user + t.children_system
-    return total
-
-
-def jit_cpu_seconds(pid: int) -> dict[int, float]:
-    """CPU seconds of each JIT compiler thread (C1/C2) of a JVM, by thread id. The JVM starts
-    and ends these threads as needed: one that ended between two calls is not counted."""
-    import psutil
-
-    out = {}
-    for t in psutil.Process(pid).threads():
-        try:
-            name = Path(f"/proc/{pid}/task/{t.id}/comm").read_text()
-        except OSError:  # ended meanwhile, or no /proc (not Linux)
-            continue
-        if name.startswith(("C1 CompilerThre", "C2 CompilerThre")):
-            out[t.id] = t.user_time + t.system_time
     return out
 
 
@@ -675,11 +453,11 @@ def cpu_ceiling(served_row: dict, host_rows_per_s: float, cpus: int) -> float:
     return forward_us / spent
 
 
-def targets(raw, handler_rows, turns, scenario=(), served_rows=(), cpus=None) -> list[dict]:
+def targets(raw, handler_rows, turns, served_rows=(), cpus=None) -> list[dict]:
     """The issue's targets, each a ratio of this run's own figures: the served ones the median
     over the turns of bench_turns (each turn's two sides measured back to back), with their
     range. Context rows (no bound): the ranking forms' CPU ceiling (cpu_ceiling, from part 3's
-    CPU per request) and the Server scenario's batchSize lever."""
+    CPU per request)."""
     def find(rows, **kw):
         return next(r for r in rows if all(r.get(k) == v for k, v in kw.items()))
 
@@ -712,20 +490,6 @@ def targets(raw, handler_rows, turns, scenario=(), served_rows=(), cpus=None) ->
     out.append({"target": "raw fp32 forward rows/s at B=32, fused kernel >= 1.3 x unfused EmbeddingBagCollection",
                 "value": find(raw, batch=32).get("fused_vs_unfused"), "bound": 1.3, "higher_is_better": True})
     out[-1]["target"] += " (served model: also jit-frozen dense parts)"
-    for r in scenario:
-        if r["config"] != "model-config.criteo.yaml":
-            continue
-        if not r.get("batch_size_override"):
-            out.append({"target": f"MLPerf-shaped Server scenario ({r['config']}): pairs/s at the highest rate with p99 <= "
-                                  "60 ms >= 0.6 x the host's raw forward rows/s at B=256",
-                        "value": r["vs_host"], "bound": 0.6, "higher_is_better": True})
-        else:
-            out.append({"target": f"context: the same scenario with the model served with batchSize {r['batch_size']} "
-                                  "(a ranking-only deployment)", "value": r["vs_host"], "bound": None})
-        if r.get("ceiling"):
-            out.append({"target": f"context: the ceiling of that ratio on this host (batchSize {r['batch_size']}): the "
-                                  "forward's CPU / all the CPU per query at the best rate (frontend + workers + load "
-                                  "generator)", "value": r["ceiling"], "bound": None})
     return out
 
 
@@ -783,10 +547,6 @@ def markdown(report) -> str:
                     for name in ("host B=128", "ranking c=16", "columns c=16", "instances c=16") if name in turns[0]["figures"]}
         lines += ["", f"Per core ({cpus} CPUs, medians over the turns): " + ", ".join(
             f"{name} {v:,.0f} rows/s" for name, v in per_core.items()) + "."]
-    if report.get("server_scenario"):
-        import server_scenario
-
-        lines += server_scenario.markdown(report["server_scenario"])
     lines += ["", "**Targets**", "", "| target | measured | range over turns | bound | |", "|---|---:|---:|---:|---|"]
     for t in report["targets"]:
         span = "-".join(map(str, t["range"])) if "range" in t else ""
@@ -853,15 +613,6 @@ def main() -> int:
                     help="turns in which both sides of every served target are measured back to back (default: %(default)s)")
     ap.add_argument("--turn-seconds", type=float, default=4.0,
                     help="seconds per served point in a turn, after a 2 s warm-up (default: %(default)s)")
-    ap.add_argument("--scenario-seconds", type=float, default=8.0,
-                    help="seconds per probed rate of the MLPerf-shaped Server scenario; 0 leaves it out "
-                         "(default: %(default)s)")
-    ap.add_argument("--scenario-configs", nargs="*", default=[str(ROOT / "model-config.dlrmv2.yaml")],
-                    help="configs served on their own for the scenario, beside --config's model (default: %(default)s)")
-    ap.add_argument("--scenario-ranking-batch-size", type=int, default=1,
-                    help="also run the scenario on --config's model served with this TorchServe batchSize (a "
-                         "deployment for ranking queries only: no query waits in a worker behind another while the "
-                         "other worker idles); 0 leaves it out (default: %(default)s)")
     ap.add_argument("--out", default=str(ROOT / "results"), help="output folder (default: %(default)s)")
     args = ap.parse_args()
 
@@ -885,91 +636,55 @@ def main() -> int:
         build_archives(cfg_path, store)
 
         log("in-process: loading the model as the handler does")
-        subprocess.run(["unzip", "-q", "-o", str(store / "dlrm.mar"), "dlrm.pt", "-d", str(tmp / "model")], check=True)
+        unpack(store / "dlrm.mar", tmp / "model")
         handler = TorchRecDLRMHandler()
         handler.initialize(_Context(tmp / "model", ts_doc["handler"]))
         unfused = DLRMFactory(cfg).random()  # the archive's weights: build_mar.py draws them from the seed
-        eager = DLRMFactory(cfg).load(tmp / "model" / "dlrm.pt")  # as served, dense parts not frozen
+        eager = load_served(cfg, tmp / "model", freeze=False)[0]  # as served, dense parts not frozen
         raw = bench_raw(handler.model, cfg, args.raw_seconds, unfused, eager)
         del unfused, eager
         handler_rows = bench_handler(handler, cfg, args.raw_seconds)
         threads = torch.get_num_threads()
         served_model = handler.model  # the served model, for the raw side of the turns
         del handler
-        import server_scenario
-
         log("the host's raw forward: one process per CPU, beside one process with a thread per CPU")
-        host = server_scenario.HostForward(cfg_path, tmp / "model" / "dlrm.pt", served_model, cfg)
+        host = HostForward(cfg_path, tmp / "model", served_model, cfg)
 
         rng = random.Random(3)
         bodies = {1: [make_body(cfg, rng, 1) for _ in range(256)],
                   RANKING_ROWS: [make_body(cfg, rng, RANKING_ROWS) for _ in range(16)],
-                  RANKING: [make_ranking_body(cfg, rng, RANKING_ROWS) for _ in range(16)],
-                  COLUMNS: [make_columns_body(cfg, rng, RANKING_ROWS) for _ in range(16)]}
+                  RANKING: [make_body(cfg, rng, RANKING_ROWS, RANKING) for _ in range(16)],
+                  COLUMNS: [make_body(cfg, rng, RANKING_ROWS, COLUMNS) for _ in range(16)]}
         models = ["dlrm", *(f"dlrm_{d}" for d in QUANTIZED), SHIPPED_BEFORE, "echo"]
-        srv = Server.on_free_ports(tmp / "home", model_store=store,
-                                   overrides={"load_models": ",".join(f"{m}={m}.mar" for m in models)})
-        log(f"starting TorchServe (logs in {srv.log_dir})")
-        srv.start()
         try:
-            for m in models:
-                srv.wait_ready(m, bodies[1][0], timeout=600)
-            for kind in (RANKING_ROWS, RANKING, COLUMNS):
-                status, _, _ = post(f"{srv.url}/predictions/dlrm", bodies[kind][0])
-                assert status == 200, status
-            warm_up_server(srv, models, bodies, args.server_warm_up)
-            served = bench_served(srv, "dlrm", bodies, args.duration, out / "profile-worker")
-            for dtype in QUANTIZED:
-                served += bench_served(srv, f"dlrm_{dtype}", bodies, args.duration, points=[(1, 64), (RANKING, 16)])
-            served += bench_served(srv, "echo", {k: bodies[k] for k in (1, RANKING_ROWS)}, args.duration)
-            kserve_v2 = bench_v2(srv, cfg, rng, args.duration)
-            log(f"the served targets' sides back to back: {args.turns} turns of {args.turn_seconds:.0f} s per point")
-            turns = bench_turns(srv, served_model, cfg, bodies, args.turns, args.turn_seconds, host)
-            workers = len(srv.worker_pids("dlrm"))
-            scenario = []
-            if args.scenario_seconds > 0:
-                log(f"MLPerf-shaped Server scenario on {cfg_path.name}")
-                scenario.append(server_scenario.scenario(srv, "dlrm", cfg, host, args.scenario_seconds, args.raw_seconds / 2))
-                scenario[-1].update(config=cfg_path.name, workers=workers, batch_size=ts_doc.get("batchSize"),
-                                    batch_size_override=False)
+            with serving(tmp / "home", store, {m: bodies[1][0] for m in models}) as srv:
+                for kind in (RANKING_ROWS, RANKING, COLUMNS):
+                    status, _, _ = post(f"{srv.url}/predictions/dlrm", bodies[kind][0])
+                    assert status == 200, status
+                warm_up_server(srv, models, bodies, args.server_warm_up)
+                served = bench_served(srv, "dlrm", bodies, args.duration, out / "profile-worker")
+                for dtype in QUANTIZED:
+                    served += bench_served(srv, f"dlrm_{dtype}", bodies, args.duration, points=[(1, 64), (RANKING, 16)])
+                served += bench_served(srv, "echo", {k: bodies[k] for k in (1, RANKING_ROWS)}, args.duration)
+                kserve_v2 = bench_v2(srv, cfg, rng, args.duration)
+                log(f"the served targets' sides back to back: {args.turns} turns of {args.turn_seconds:.0f} s per point")
+                turns = bench_turns(srv, served_model, cfg, bodies, args.turns, args.turn_seconds, host)
+                workers = len(srv.worker_pids("dlrm"))
         finally:
-            srv.stop()
             host.close()
-        for other in args.scenario_configs if args.scenario_seconds > 0 else []:
-            log(f"MLPerf-shaped Server scenario on {Path(other).name}")
-            try:
-                scenario.append(server_scenario.serve_and_measure(Path(other).resolve(), tmp, args.scenario_seconds,
-                                                                  args.raw_seconds / 2))
-            except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as e:  # keep the run's other parts
-                log(f"the Server scenario on {Path(other).name} failed: {e}")
-        if args.scenario_seconds > 0 and args.scenario_ranking_batch_size:
-            log(f"MLPerf-shaped Server scenario on {cfg_path.name} served with batchSize {args.scenario_ranking_batch_size}")
-            try:
-                scenario.append(server_scenario.serve_and_measure(cfg_path, tmp, args.scenario_seconds, args.raw_seconds / 2,
-                                                                  args.scenario_ranking_batch_size))
-            except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as e:
-                log(f"the Server scenario with batchSize {args.scenario_ranking_batch_size} failed: {e}")
 
     report = {
         "command": "python bench/benchmark.py " + " ".join(sys.argv[1:]),
         "config": cfg_path.name,
-        "machine": {"cpus": os.cpu_count(), "available_cpus": len(host.cpus), "processor": platform.processor() or platform.machine(),
-                    "torch": torch.__version__, "torch_threads": threads},
+        "machine": {**(mach := machine()), "processor": f"{mach['cpu']}, ISA {mach['isa']}", "torch": torch.__version__,
+                    "torch_threads": threads},
         "torchserve": {k: ts_doc.get(k) for k in ("batchSize", "maxBatchDelay")} | {"workers": workers,
                                                                                      "warm_up_s": args.server_warm_up},
         "raw_forward": raw, "handler": handler_rows, "served": served, "kserve_v2": kserve_v2, "turns": turns,
-        "server_scenario": scenario,
         "wall_s": round(time.perf_counter() - started),
     }
-    report["targets"] = targets(raw, handler_rows, turns, scenario, served, len(host.cpus))
-    (out / "benchmark.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "benchmark.md").write_text(markdown(report))
-    try:
-        plot(report, out / "benchmark.png")
-    except ImportError:
-        log("matplotlib is not installed: no plot (pip install -e '.[bench]')")
-    print(markdown(report))
-    log(f"done in {report['wall_s']} s: {out}/benchmark.json, benchmark.md, benchmark.png")
+    report["targets"] = targets(raw, handler_rows, turns, served, len(host.cpus))
+    write_report(out / "benchmark", report, markdown(report).splitlines(), plot)
     return 0
 
 

@@ -37,7 +37,6 @@ Writes results/bigtables.json and results/bigtables.md.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import dataclasses
 import http.client
 import json
@@ -55,10 +54,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(HERE)]
+import mlperf  # noqa: E402
 
 RESULTS = ROOT / "results"
-P99_NS = 60_000_000
-PAIRS, PAIRS_SCALE = (100, 700), 200  # bench/server_scenario.py's MLPerf-shaped query sizes
 DTYPES = ("int8", "int4")
 
 
@@ -141,7 +139,7 @@ def cmd_accuracy(args) -> None:
 
     base = full_config("fp32") if not args.capped else dataclasses.replace(
         __import__("dlrmkit.config").DLRMConfig.from_yaml(ROOT / "model-config.dlrmv2.yaml"), embedding_dtype="fp32")
-    bags = mlperf_bags(base)
+    bags = mlperf.mlperf_bags(base)
     rng = np.random.default_rng(args.seed)
     B = args.rows
     lengths = np.repeat(np.array(bags), B)  # key-major
@@ -204,11 +202,6 @@ def cmd_accuracy(args) -> None:
 
 # --- ids and queries ----------------------------------------------------------------------------
 
-def mlperf_bags(cfg) -> list[int]:
-    sample = json.loads((ROOT / "sample_requests" / "dlrmv2.json").read_text())["sparse"]
-    return [sample["lengths"][sample["keys"].index(f)] for f in cfg.sparse_features]
-
-
 def _multiplier(n: int) -> int:
     a = 2654435761 % n or 1
     while math.gcd(a, n) != 1:
@@ -234,21 +227,22 @@ def sample_ids(rng, n: int, k: int, zipf: float | None):
 
 
 class Queries:
-    """MLPerf-shaped `columns` requests drawn fresh per query (no body repeats)."""
+    """MLPerf-shaped `columns` requests drawn fresh per query (no body repeats): a query pool
+    for mlperf.run whose every index is a new query."""
 
     def __init__(self, cfg, zipf: float | None, pairs_scale: float, seed: int):
         self.cfg, self.zipf, self.scale = cfg, zipf, pairs_scale
-        self.bags = mlperf_bags(cfg)
+        self.bags = mlperf.mlperf_bags(cfg)
         self.local = threading.local()
         self.seed = seed
         self.counter = 0
         self.lock = threading.Lock()
 
-    def pairs(self, rng) -> int:
-        while True:
-            n = PAIRS[0] + round(rng.expovariate(1 / PAIRS_SCALE))
-            if n <= PAIRS[1]:
-                return max(1, round(n * self.scale))
+    def __len__(self) -> int:
+        return 1024
+
+    def __getitem__(self, _index: int) -> tuple[int, bytes]:
+        return self.make()
 
     def make(self) -> tuple[int, bytes]:
         import numpy as np
@@ -260,7 +254,7 @@ class Queries:
             self.local.rng = np.random.default_rng(self.seed * 1000 + n)
             self.local.prng = random.Random(self.seed * 1000 + n)
         rng, prng = self.local.rng, self.local.prng
-        rows = self.pairs(prng)
+        rows = mlperf.query_pairs(prng, self.scale)
         dense = np.round(rng.uniform(0, 5, (rows, self.cfg.num_dense_features)), 3).tolist()
         sparse = {}
         for f, (name, n) in enumerate(zip(self.cfg.sparse_features, self.cfg.num_embeddings)):
@@ -342,91 +336,18 @@ def drop_file_cache(path: Path) -> None:
 # --- LoadGen Server scenario ---------------------------------------------------------------------
 
 def loadgen_server(url: str, queries: Queries, qps: float, seconds: float, min_queries: int, pids_fn,
-                   weights: Path, threads: int = 48) -> dict:
-    """One LoadGen Server run at ``qps``: each LoadGen sample is one HTTP request of a fresh
-    query; completion reported when the answer is in. Returns LoadGen's summary plus counters."""
-    import mlperf_loadgen as lg
-
-    host, port = url.split("//", 1)[1].split("/", 1)[0].split(":")
-    path = "/" + url.split("//", 1)[1].split("/", 1)[1]
-    pool = cf.ThreadPoolExecutor(threads)
-    conns = threading.local()
-    stats = {"pairs": 0, "errors": 0, "queries": 0}
-    lock = threading.Lock()
-
-    def send(sample_id: int) -> None:
-        rows, body = queries.make()
-        ok = False
-        for _ in range(2):
-            try:
-                if not hasattr(conns, "c"):
-                    conns.c = http.client.HTTPConnection(host, int(port), timeout=300)
-                conns.c.request("POST", path, body, {"Content-Type": "application/json"})
-                resp = conns.c.getresponse()
-                resp.read()
-                ok = resp.status == 200
-                break
-            except (ConnectionError, http.client.HTTPException, OSError):
-                conns.__dict__.pop("c", None)
-        with lock:
-            stats["queries"] += 1
-            stats["pairs"] += rows
-            stats["errors"] += not ok
-        lg.QuerySamplesComplete([lg.QuerySampleResponse(sample_id, 0, 0)])
-
-    def issue(samples) -> None:
-        for s in samples:
-            pool.submit(send, s.id)
-
-    settings = lg.TestSettings()
-    settings.scenario = lg.TestScenario.Server
-    settings.mode = lg.TestMode.PerformanceOnly
-    settings.server_target_qps = qps
-    settings.server_target_latency_ns = P99_NS
-    settings.server_target_latency_percentile = 0.99
-    settings.min_duration_ms = int(seconds * 1000)
-    settings.min_query_count = min_queries
-    settings.max_duration_ms = int(seconds * 1000 * 4)
-    sut = lg.ConstructSUT(issue, lambda: None)
-    qsl = lg.ConstructQSL(1024, 1024, lambda s: None, lambda s: None)
-    out_dir = Path(tempfile.mkdtemp(prefix="lg-"))
-    log_settings = lg.LogSettings()
-    log_settings.log_output.outdir = str(out_dir)
-    log_settings.log_output.copy_summary_to_stdout = False
-    before, sectors0, t0 = proc_counters(pids_fn()), disk_sectors(weights), time.perf_counter()
-    lg.StartTestWithLogSettings(sut, qsl, settings, log_settings)
-    took = time.perf_counter() - t0
-    pool.shutdown(wait=True)
+                   weights: Path) -> dict:
+    """One LoadGen Server run at ``qps`` (mlperf.run: each sample one HTTP request of a fresh
+    query), with the workers' page faults, the disk's reads and the page cache around it."""
+    before, sectors0 = proc_counters(pids_fn()), disk_sectors(weights)
+    res = mlperf.run(url, queries, qps, seconds, min_queries, max_seconds=seconds * 4)
     after, sectors1 = proc_counters(pids_fn()), disk_sectors(weights)
-    lg.DestroyQSL(qsl)
-    lg.DestroySUT(sut)
-    summary = (out_dir / "mlperf_log_summary.txt").read_text()
-    shutil.rmtree(out_dir, ignore_errors=True)
-    res = {"target_qps": qps, "seconds": round(took, 1), **stats, **parse_summary(summary)}
-    q = max(1, stats["queries"])
-    res.update(pairs_per_s=round(stats["pairs"] / took, 1), majflt_per_query=round((after["majflt"] - before["majflt"]) / q, 1),
+    q, took = max(1, res["queries"]), res["seconds"]
+    res.update(majflt_per_query=round((after["majflt"] - before["majflt"]) / q, 1),
                disk_read_mb_s=round((sectors1 - sectors0) * 512 / 1e6 / took, 1),
                rss_anon_mib=round(after["rss_anon"] / 2**20), rss_file_mib=round(after["rss_file"] / 2**20),
                page_cache_share=round(resident_share(weights), 3))
     return res
-
-
-def parse_summary(text: str) -> dict:
-    out = {}
-    for line in text.splitlines():
-        k, _, v = line.partition(":")
-        k, v = k.strip(), v.strip()
-        if k == "Result is":
-            out["valid"] = v == "VALID"
-        elif k == "Scheduled samples per second":
-            out["scheduled_qps"] = float(v)
-        elif k == "Completed samples per second":
-            out["completed_qps"] = float(v)
-        elif k in ("50.00 percentile latency (ns)", "99.00 percentile latency (ns)", "Max latency (ns)"):
-            out[{"5": "p50_ms", "9": "p99_ms", "M": "max_ms"}[k[0]]] = round(int(v) / 1e6, 1)
-        elif "Early stopping" in k or k.startswith("*"):
-            out.setdefault("notes", []).append(line.strip())
-    return out
 
 
 # --- serve ---------------------------------------------------------------------------------------

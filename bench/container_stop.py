@@ -116,8 +116,10 @@ def address(container: str) -> str:
 
 
 def run_args(image: str, name: str, port: int, container_port: int = 8080) -> list[str]:
-    """`docker run` as deploy/kserve's securityContext runs the image."""
-    return ["run", "-d", "--name", name, "--user", "1000:1000", "--read-only", "--tmpfs", "/tmp",
+    """`docker run` as deploy/kserve's securityContext runs the image. /tmp as the pods' emptyDir
+    is: writable and executable (Docker's --tmpfs is noexec unless told, and Inductor loads the
+    dense half it compiles from its cache there)."""
+    return ["run", "-d", "--name", name, "--user", "1000:1000", "--read-only", "--tmpfs", "/tmp:exec",
             "--cap-drop", "ALL", "--security-opt", "no-new-privileges", "-p", f"127.0.0.1:{port}:{container_port}", image]
 
 

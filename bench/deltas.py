@@ -42,7 +42,8 @@ for p in (ROOT, ROOT / "scripts", ROOT / "tests", ROOT / "bench"):
 
 from dlrmkit.delta import delta_path, write_delta  # noqa: E402
 from helpers import DeltaReferences  # noqa: E402
-from loadgen import percentile, run_load  # noqa: E402
+from common import machine  # noqa: E402
+from load import percentile, run_load  # noqa: E402
 from tsctl import Server, post  # noqa: E402
 
 HOT = 200  # rows per table that every request looks up and every delta rewrites
@@ -375,12 +376,10 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     a.sizes = [int(s) for s in a.sizes.split(",")]
     torch.set_num_threads(1)  # the references compute as a worker does (one thread each on this machine)
-    from dlrmkit.dense import isa_summary
-
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "?")
+    m = machine()
     res = {
-        "cpu": f"{model}, {os.cpu_count()} CPUs, {isa_summary()}",
+        "cpu": f"{m['cpu']}, {m['cpus']} CPUs, {m['isa_served']}, load average {m['load_average'][0]} at the start",
+        "machine": m,
         "command": " ".join(["python bench/deltas.py", *(argv or sys.argv[1:])]),
         "load": [],
     }

@@ -36,7 +36,7 @@ from pathlib import Path
 import yaml
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent / "scripts")]
-from loadgen import LoadResult, percentile, run_load  # noqa: E402
+from load import LoadResult, percentile, run_load  # noqa: E402
 from soak import expected_scores, instance, same_scores  # noqa: E402
 from tsctl import ROOT, Server  # noqa: E402
 

@@ -25,18 +25,13 @@ import argparse
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "scripts")]
-from benchmark import RANKING, log, make_kind, measure_load, rows_of, write_report  # noqa: E402
-from tsctl import ROOT, Server  # noqa: E402
-
-sys.path.insert(0, str(ROOT))
+from common import RANKING, ROOT, build_archive, log, make_kind, measure_load, rows_of, write_report
+from tsctl import Server
 
 # name -> (config.properties overrides, model-config overrides). "shipped" is the kit's own.
 SETTINGS = {
@@ -59,25 +54,14 @@ POINTS = ((1, 64), (RANKING, 16))  # (request kind, concurrency)
 
 def build(cfg_path: Path, store: Path, chosen: list[str], settings: dict) -> dict[str, str]:
     """One archive per distinct model-config override; returns setting -> archive name."""
-    import yaml
-
     names = {}
     for name in chosen:
         model_kw = settings[name][1]
         key = "dlrm" if not model_kw else "dlrm_" + "_".join(f"{k}{v}" for k, v in model_kw.items())
         names[name] = key
-        if (store / f"{key}.mar").exists():
-            continue
-        doc = yaml.safe_load(cfg_path.read_text())
-        doc.update({k: v for k, v in model_kw.items() if k != "torch_threads"})
-        if "torch_threads" in model_kw:
-            doc["handler"]["torch_threads"] = model_kw["torch_threads"]
-        cfg = store / f"{key}.yaml"
-        cfg.write_text(yaml.safe_dump(doc))
-        log(f"building {key}.mar")
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "build_mar.py"), "--config", str(cfg),
-                        "--output-dir", str(store), "--model-name", key, "--force"], check=True,
-                       stdout=subprocess.DEVNULL)
+        if not (store / f"{key}.mar").exists():
+            items = {("handler." if k == "torch_threads" else "") + k: v for k, v in model_kw.items()}
+            build_archive(cfg_path, store, key, items)
     return names
 
 

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent / "scripts")]
-from loadgen import run_load  # noqa: E402
+from load import run_load  # noqa: E402
 from tsctl import ROOT, Server, post, worker_pids  # noqa: E402
 
 sys.path.insert(0, str(ROOT))

@@ -55,6 +55,9 @@ class DLRMConfig:
     max_instances_per_request: int = 4096
     max_ids_per_request: int = 65536
     torch_threads: int = 0  # intra-op threads per worker; 0 = the worker's share of the cores
+    # A forward of at least this many rows runs on a thread per CPU the process may use, smaller ones
+    # on torch_threads: a large query gets every core while the workers stay one per CPU. 0 = never.
+    large_batch_rows: int = 0
     # How the archive stores the tables and the worker holds them, all in fbgemm's fused
     # table-batched kernel: fp32, or quantized (fp16 2x, int8 ~3.2x, int4 ~5x smaller at D=64).
     embedding_dtype: str = "fp32"
@@ -172,6 +175,12 @@ class DLRMConfig:
             raise ConfigError(
                 f"handler.torch_threads: expected 0 (auto) or a positive integer, got {raw['torch_threads']!r} "
                 "(e.g. torch_threads: 0)"
+            )
+        if "large_batch_rows" in raw and (isinstance(raw["large_batch_rows"], bool)
+                                          or not isinstance(raw["large_batch_rows"], int) or raw["large_batch_rows"] < 0):
+            raise ConfigError(
+                f"handler.large_batch_rows: expected 0 (never) or a positive number of rows, got "
+                f"{raw['large_batch_rows']!r} (e.g. large_batch_rows: 256)"
             )
         if "table_names" in raw:
             values["table_names"] = _table_names(raw["table_names"], names)

@@ -190,6 +190,8 @@ def _int8(half: nn.Module, example: tuple, calibration: dict | None) -> nn.Modul
     (dynamic activation scales), convert. Importing the quantizer's module is what registers
     Inductor's int8 fusion passes (torchao issue 4823): without it int8 runs as plain aten ops."""
     # torchao: the maintained home of PT2E quantization (torch.ao.quantization is deprecated).
+    # Its import warns once per CUDA kernel library a CPU host cannot load: not ours, and noise in every worker log.
+    logging.getLogger("torchao").setLevel(logging.ERROR)
     import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
@@ -230,7 +232,7 @@ def _compile(model, config, precision, calibration, warm_rows) -> tuple[nn.Modul
     started = time.perf_counter()
     # Inductor's own int8 lowering copy-constructs a tensor (torch 2.13): not ours to fix, and noise in every log.
     warnings.filterwarnings("ignore", message="To copy construct from a tensor", category=UserWarning)
-    half = DenseHalf(model).eval()
+    half: nn.Module = DenseHalf(model).eval()
     example = _probe(model, config, 32)
     if precision == "int8":
         half = _int8(half, example, calibration)
@@ -249,7 +251,7 @@ def _compile(model, config, precision, calibration, warm_rows) -> tuple[nn.Modul
     # Set for the process, not per call: Inductor reads it at every (re)compile, and
     # torch.compile(options={"freezing": True}) fails on PT2E's int8 prepack ops (torch 2.13).
     torch._inductor.config.freezing = True
-    compiled = torch.compile(half, dynamic=True)
+    compiled: nn.Module = torch.compile(half, dynamic=True)  # type: ignore[assignment]  # an OptimizedModule
     served = ServedDLRM(model, compiled, precision)  # no .eval(): an exported graph refuses it; all is eval
     with torch.no_grad():
         for rows in warm_rows:

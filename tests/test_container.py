@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import ROOT, TINY, tiny_config
+from conftest import ROOT, TINY, tiny_config, variant
 from helpers import grpc_modules, instance
 from test_kserve_server import DENSE_ROWS, ROWS, triton
 
@@ -113,22 +113,27 @@ def ready(c: Container, port: int = 8085, body: bytes | None = None, timeout: fl
     raise AssertionError(f"{c.name} never answered:\n{c.logs()[-4000:]}")
 
 
-@pytest.fixture(scope="module")
-def layout():
-    """scripts/kserve_deploy.py layout of the tiny config, readable by uid 1000."""
+def make_layout(handler: dict) -> Path:
+    """scripts/kserve_deploy.py layout of a tiny config, readable by uid 1000 (under a temp folder)."""
     import kserve_deploy
 
     out = Path(tempfile.mkdtemp(prefix="dlrm-layout-"))
+    config = out / "model-config.yaml"
+    config.write_text(yaml.safe_dump({"minWorkers": 1, "maxWorkers": 1, "batchSize": 8, "maxBatchDelay": 5,
+                                      "responseTimeout": 60, "handler": handler}))
+    kserve_deploy.main(["layout", "--out", str(out / "models"), "--config", str(config)])
+    for p in [out, *out.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    return out / "models"
+
+
+@pytest.fixture(scope="module")
+def layout():
+    models = make_layout(TINY)
     try:
-        config = out / "model-config.yaml"
-        config.write_text(yaml.safe_dump({"minWorkers": 1, "maxWorkers": 1, "batchSize": 8, "maxBatchDelay": 5,
-                                          "responseTimeout": 60, "handler": TINY}))
-        kserve_deploy.main(["layout", "--out", str(out / "models"), "--config", str(config)])
-        for p in [out, *out.rglob("*")]:
-            p.chmod(0o755 if p.is_dir() else 0o644)
-        yield out / "models"
+        yield models
     finally:
-        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(models.parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -234,6 +239,68 @@ def test_sigterm_under_load_answers_every_accepted_request_and_exits_0(image, la
         assert result["sigterm_to_exit_s"] < 30, result
     finally:
         c.remove()
+
+
+COMPILE_IN_IMAGE = """
+import json, sys, torch
+sys.path[:0] = ["/kit"]
+from dlrm_factory import DLRMFactory
+from dlrmkit import dense
+from dlrmkit.config import DLRMConfig
+config = DLRMConfig.from_dict(json.loads(sys.argv[1]))
+model = DLRMFactory(config).random().eval()
+served, what = dense._compile(model, config, "int8", None, (2, 4))
+with torch.inference_mode():
+    out = served.dense(*dense._probe(model, config, 4))
+print("COMPILED", what, bool(torch.isfinite(out).all()), tuple(out.shape))
+"""
+
+
+def test_the_image_compiles_the_dense_half_as_the_pods_run_it(image):
+    """Inductor's C++ toolchain (g++, omp.h, Python.h) is in the image and works for uid 1000 with
+    a read-only root and /tmp its only writable place. The compile itself is called, not the CPU
+    check before it, so this holds on every x86 host (an AVX2 one serves such an archive as fp32)."""
+    run = container_stop.run_args(image, f"dlrm-compile-{uuid.uuid4().hex[:8]}", 0)
+    run = [a for a in run[:-3] if a != "-d"] + ["--rm", "-v", f"{ROOT}:/kit:ro", "--entrypoint", "/opt/venv/bin/python"]
+    out = docker(*run, image, "-c", COMPILE_IN_IMAGE, json.dumps({**TINY, **variant("dcn")}), check=False)
+    assert out.returncode == 0 and "COMPILED int8 dynamic" in out.stdout, (out.stdout[-2000:], out.stderr[-4000:])
+    assert out.stdout.rstrip().endswith("True (4, 1)"), out.stdout
+
+
+def test_an_int8_archive_serves_in_the_image_as_in_process(image, runtime_args):
+    """An int8 dense half served by the image, as the pods run it: compiled at worker start where
+    the CPU has the instructions, scoring as the same int8 model compiled here; on a CPU without
+    them the log says FALLING BACK and the scores are fp32's."""
+    from dlrmkit import dense
+    from dlrmkit.batch import collate, scores
+    from dlrmkit.forms import RequestParser
+    from dlrm_factory import DLRMFactory
+    import torch
+
+    handler = {**TINY, **variant("dcn"), "dense_precision": "int8"}
+    models = make_layout(handler)
+    c = Container(image, runtime_args, models)
+    try:
+        ready(c, timeout=300)
+        status, body = post(c.url(), json.dumps({"instances": ROWS}).encode())
+        logs = c.logs()
+        assert status == 200, (status, body, logs[-4000:])
+        config = tiny_config(**variant("dcn"), dense_precision="int8")
+        batch, bad = collate([RequestParser(config).parse(json.dumps({"instances": ROWS}))], config)
+        model, what = dense.prepare(DLRMFactory(config).random(), config, models, [torch.device("cpu")])
+        want = np.asarray(scores(model, batch, config)[0])
+        fp32 = np.asarray(scores(DLRMFactory(tiny_config(**variant("dcn"))).random(), batch, config)[0])
+        assert np.allclose(body["scores"], want, atol=1e-5, rtol=0), (body["scores"], want)
+        if dense.unsupported("int8", dense.cpu_flags()) is None:
+            assert what.startswith("int8 dynamic"), what
+            assert "dense half: int8 dynamic" in logs and "FALLING BACK" not in logs, logs[-4000:]
+            assert not np.allclose(want, fp32, atol=1e-7, rtol=0)  # int8 did run: not the fp32 scores
+        else:
+            assert "dense half: fp32 (FALLING BACK from int8: this CPU has no " in logs, logs[-4000:]
+            assert np.allclose(want, fp32, atol=1e-6, rtol=0)
+    finally:
+        c.remove()
+        shutil.rmtree(models.parent, ignore_errors=True)
 
 
 def test_default_docker_run_serves_the_readme_seed_request(image):

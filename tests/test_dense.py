@@ -93,6 +93,20 @@ def test_int8_without_calibration_is_dynamic_and_says_so():
         ), what
 
 
+def test_the_int8_compile_itself_runs_on_any_x86_cpu():
+    """The compile and calibration machinery, past the CPU check, on whatever CPU runs the tests
+    (on an AVX2 one its scores are not served: the worker falls back), so every CI host covers it."""
+    config = tiny_config(**variant("dcn"), dense_precision="int8")
+    model = DLRMFactory(config).random().eval()
+    dense_x, kjt = probe(config)
+    calibration = dense.calibration_inputs(model, [probe(config, seed=s) for s in (2, 3)])
+    served, what = dense._compile(model, config, "int8", calibration, (2, 8))
+    assert what.startswith("int8 static (PT2E X86InductorQuantizer, calibrated on 128 rows"), what
+    with torch.inference_mode():
+        got, want = served(dense_x, kjt), model(dense_x, kjt)
+    assert got.shape == want.shape and bool(torch.isfinite(got).all())
+
+
 def test_a_worker_whose_torch_may_use_no_vector_instructions_serves_fp32_and_says_so():
     """ATEN_CPU_CAPABILITY caps ATen and Inductor (a real torch setting): at 'default' the compiled
     code could use no SIMD, so the dense half stays fp32 with the reason in the log line."""

@@ -185,3 +185,30 @@ def test_large_batches_are_scored_in_groups_with_the_same_scores(handler, monkey
     split, _ = call(handler, reqs)
     for a, b in zip(whole, split):
         assert torch.allclose(torch.tensor(json.loads(a)["scores"]), torch.tensor(json.loads(b)["scores"]), atol=1e-5)
+
+
+def test_a_large_batch_runs_on_a_thread_per_cpu_and_a_small_one_on_the_workers(tmp_path, weights, monkeypatch):
+    """handler.large_batch_rows: the forward of a batch of that many rows or more gets a thread per
+    CPU; the next small batch goes back to the worker's own threads; the scores are the same."""
+    from dlrm_handler import TorchRecDLRMHandler
+
+    seen = []
+    monkeypatch.setattr(torch, "set_num_threads", seen.append)  # the handler's calls, not the process's threads
+    monkeypatch.setattr(torch, "get_num_threads", lambda: seen[-1] if seen else 1)
+    (tmp_path / "dlrm.pt").symlink_to(weights)
+    h = TorchRecDLRMHandler()
+    h.initialize(FakeContext(tmp_path, {**TINY, "large_batch_rows": 4}))
+    h.cpus = 3  # as on a 3-CPU host, whatever this one has
+    big = body({"instances": [instance([k] * 5, feature_0=[k]) for k in range(5)]})
+    small = body({"instances": [instance([1] * 5, feature_1=[2])]})
+    seen.clear()
+    out_big, _ = call(h, [big], {**TINY, "large_batch_rows": 4})
+    assert seen == [3]
+    call(h, [small], {**TINY, "large_batch_rows": 4})
+    call(h, [small], {**TINY, "large_batch_rows": 4})
+    assert seen == [3, h.threads]  # back once, then left alone
+    plain = TorchRecDLRMHandler()
+    plain.initialize(FakeContext(tmp_path, dict(TINY)))
+    assert json.loads(call(plain, [big])[0][0])["scores"] == json.loads(out_big[0])["scores"]
+    with pytest.raises(ConfigError, match=r"handler.large_batch_rows: expected 0 \(never\) or a positive number"):
+        TorchRecDLRMHandler().initialize(FakeContext(tmp_path, {**TINY, "large_batch_rows": -1}))

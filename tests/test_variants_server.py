@@ -34,6 +34,8 @@ def build(tmp: Path, name: str, interaction: str, dtype: str) -> Path:
     doc = yaml.safe_load((ROOT / "model-config.yaml").read_text())
     doc.update(batchSize=8, maxBatchDelay=100)
     doc["handler"].update(variant(interaction, doc["handler"]["embedding_dim"]), embedding_dtype=dtype)
+    if interaction == "dcn":  # batches of 3 rows or more on a thread per CPU: both paths in one worker
+        doc["handler"]["large_batch_rows"] = 3
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(doc))
     build_mar.main(["--config", str(path), "--output-dir", str(tmp / "store"), "--model-name", name])
@@ -115,6 +117,16 @@ def test_concurrent_mixed_requests_to_both_variants_score_as_in_process(served):
         want = in_process(*local[name][:2], raw)
         assert len(answer["scores"]) == len(want)
         assert max(abs(a - b) for a, b in zip(answer["scores"], want)) <= 1e-5, (name, answer, want)
+
+
+def test_large_batches_run_on_every_cpu_with_openmp_waiting_passively(served):
+    """The workers inherit tsctl's OMP_WAIT_POLICY=PASSIVE (TorchServe passes its environment on),
+    and say so; test_concurrent_mixed_requests_... checks the scores of both thread counts."""
+    from dlrmkit.cpus import available_cpus
+
+    srv, _ = served
+    log = (srv.log_dir / "model_log.log").read_text()
+    assert f"({available_cpus()} from 3 rows, OMP_WAIT_POLICY PASSIVE)" in log, log[-3000:]
 
 
 def test_rollout_and_rollback_of_a_variant(served, tmp_path):

@@ -1,6 +1,7 @@
-"""A small asyncio HTTP/1.1 load generator: keep-alive connections, loopback only, bounded.
+"""Closed-loop load: a small asyncio HTTP/1.1 client pool (keep-alive, loopback only, bounded).
 
-Used by soak.py (correctness under load) and benchmark.py (throughput and latency). It reports
+Used by soak.py and faults.py (correctness under load) and common.measure_load (throughput and
+latency); open-loop Server-scenario load is MLPerf's LoadGen (bench/mlperf.py). It reports
 its own CPU time, since on a small machine it shares the cores with the server it measures.
 """
 
@@ -175,69 +176,3 @@ async def run_load(
 def _cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
-
-
-
-async def run_open_loop(
-    url: str,
-    bodies: list[bytes],
-    rate: float,
-    duration_s: float,
-    seed: int = 0,
-    headers: dict | None = None,
-    max_connections: int = 256,
-    drain_s: float = 30.0,
-) -> tuple[LoadResult, list[int]]:
-    """Open-loop load: queries sent at Poisson arrival times (``rate`` per second, exponential
-    gaps) for ``duration_s``, whatever the server's answers do, each body in turn from ``bodies``.
-    A query's latency runs from its *scheduled* send time, so a server that falls behind cannot
-    slow its own load down (MLPerf LoadGen's Server scenario); queries still unanswered
-    ``drain_s`` after the last send count as timeouts. At most ``max_connections`` requests are in
-    flight (a query that waits for one still counts from its scheduled time). Returns the result
-    and the index into ``bodies`` of each answered query, in answer order."""
-    import random
-
-    result = LoadResult()
-    rng = random.Random(seed)
-    idle: list[Connection] = []
-    slots = asyncio.Semaphore(max_connections)
-    answered_idx: list[int] = []
-    tasks = []
-    cpu0 = _cpu()
-    started = time.perf_counter()
-
-    async def one(i: int, scheduled: float):
-        async with slots:
-            conn = idle.pop() if idle else Connection(url, headers)
-            try:
-                status, _ = await conn.post(bodies[i % len(bodies)])
-            except (ConnectionError, OSError, asyncio.IncompleteReadError):
-                result.transport_errors += 1
-                await conn.close()
-                return
-            idle.append(conn)
-        result.latencies_ms.append((time.perf_counter() - scheduled) * 1000)
-        result.answered += 1
-        result.statuses[status] = result.statuses.get(status, 0) + 1
-        answered_idx.append(i % len(bodies))
-
-    t, i = started, 0
-    while True:
-        t += rng.expovariate(rate)
-        if t - started >= duration_s:
-            break
-        delay = t - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.ensure_future(one(i, t)))
-        result.sent += 1
-        i += 1
-    done, pending = await asyncio.wait(tasks, timeout=drain_s) if tasks else (set(), set())
-    for task in pending:
-        task.cancel()
-    result.timeouts = len(pending)
-    for conn in idle:
-        await conn.close()
-    result.wall_s = time.perf_counter() - started
-    result.client_cpu_s = _cpu() - cpu0
-    return result, answered_idx

@@ -1,0 +1,274 @@
+"""MLPerf Inference's Server scenario, run by MLPerf's own LoadGen against a served model over HTTP.
+
+    import mlperf
+    pool = mlperf.query_pool(cfg, 256, seed=11)                 # (pairs, body) queries, 100-700 pairs
+    r = mlperf.run(url, pool, qps=20, seconds=25, out=Path("results/loadgen/criteo-20qps"))
+    r["valid"], r["p99_ms"], r["pairs_per_s"]                   # LoadGen's verdict and percentiles
+    best = mlperf.search(lambda q: mlperf.run(url, pool, q, 25), start=30)["best"]
+
+LoadGen (``mlperf_loadgen``, the ``mlcommons-loadgen`` wheel) schedules the queries (Poisson
+arrivals at ``server_target_qps``), times each from its scheduled issue to its completion, and
+judges the run: VALID when the 99th percentile stays within ``server_target_latency_ns`` (60 ms,
+DLRMv2's bound), the run lasted ``min_duration_ms`` and issued ``min_query_count`` queries, and
+its early-stopping estimate agrees (a p99 needs a few hundred queries: ~460 with none over the
+bound). Each LoadGen sample is one query: one HTTP request of 100-700 user-item pairs in the
+``columns`` form (a truncated exponential, mean ~270; MLPerf draws from its own trace), multi-hot
+with MLPerf's bag sizes for a DCN config. A query answered with anything but 200 fails the run
+here (``ok``) whatever LoadGen says. The summary LoadGen writes (``mlperf_log_summary.txt``) is
+kept under ``out``; ``parse_summary`` reads the verdict and percentiles from it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import http.client
+import json
+import random
+import resource
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from common import ROOT, cpu_snapshot, make_instance
+
+P99_BOUND_MS = 60.0  # MLPerf DLRMv2 Server
+PAIRS = (100, 700)
+PAIRS_SCALE = 200  # 100 + an exponential of this mean, redrawn above 700: mean ~269
+MIN_QUERIES = 500  # LoadGen's early stopping needs ~460 queries under the bound to call a p99 VALID
+
+
+def query_pairs(rng: random.Random, scale: float = 1.0) -> int:
+    """User-item pairs of one query (times ``scale``, at least 1)."""
+    while True:
+        n = PAIRS[0] + round(rng.expovariate(1 / PAIRS_SCALE))
+        if n <= PAIRS[1]:
+            return max(1, round(n * scale))
+
+
+def mlperf_bags(cfg) -> list[int] | None:
+    """MLPerf DLRMv2's multi-hot bag sizes (sample_requests/dlrmv2.json) for a DCN config."""
+    if cfg.interaction != "dcn":
+        return None
+    sample = json.loads((ROOT / "sample_requests" / "dlrmv2.json").read_text())["sparse"]
+    return [sample["lengths"][sample["keys"].index(f)] for f in cfg.sparse_features]
+
+
+def make_query(cfg, rng: random.Random, rows: int, bags: list[int] | None) -> bytes:
+    """``rows`` pairs as one `columns` request, every feature a column; with ``bags`` (ids per
+    row, per feature) multi-hot, else one id per row."""
+    dense = [make_instance(cfg, rng)["dense"] for _ in range(rows)]
+    sparse = {}
+    for f, (name, n) in enumerate(zip(cfg.sparse_features, cfg.num_embeddings)):
+        k = bags[f] if bags else 1
+        sparse[name] = {"values": [rng.randrange(n) for _ in range(rows * k)]}
+        if bags:
+            sparse[name]["lengths"] = [k] * rows
+    return json.dumps({"columns": {"dense": dense, "sparse": sparse}}).encode()
+
+
+def query_pool(cfg, n: int, seed: int = 11, scale: float = 1.0) -> list[tuple[int, bytes]]:
+    """``n`` queries (pairs, body): LoadGen's sample library, drawn from by index."""
+    rng, bags = random.Random(seed), mlperf_bags(cfg)
+    return [(k, make_query(cfg, rng, k, bags)) for k in (query_pairs(rng, scale) for _ in range(n))]
+
+
+class HttpSUT:
+    """LoadGen's system under test: each issued sample is the query ``pool[index]`` POSTed on a
+    keep-alive connection of one of ``threads`` sender threads; the sample completes when its
+    answer is read. Counts the pairs answered and the answers other than 200."""
+
+    def __init__(self, url: str, pool: list[tuple[int, bytes]], threads: int = 64):
+        parts = urlsplit(url)
+        self.host, self.port, self.path = parts.hostname, parts.port or 80, parts.path
+        self.pool = pool
+        self.senders = cf.ThreadPoolExecutor(threads)
+        self.local = threading.local()
+        self.lock = threading.Lock()
+        self.queries = self.pairs = self.errors = 0
+
+    def _post(self, body: bytes) -> int:
+        for attempt in (0, 1):  # a connection the server closed is reopened once
+            try:
+                if not hasattr(self.local, "conn"):
+                    self.local.conn = http.client.HTTPConnection(self.host, self.port, timeout=300)
+                self.local.conn.request("POST", self.path, body, {"Content-Type": "application/json"})
+                resp = self.local.conn.getresponse()
+                resp.read()
+                return resp.status
+            except (OSError, http.client.HTTPException):
+                self.local.__dict__.pop("conn", None)
+                if attempt:
+                    return 0
+        return 0
+
+    def _send(self, sample_id: int, index: int) -> None:
+        import mlperf_loadgen as lg
+
+        pairs, body = self.pool[index]
+        status = self._post(body)
+        with self.lock:
+            self.queries += 1
+            self.pairs += pairs
+            self.errors += status != 200
+        lg.QuerySamplesComplete([lg.QuerySampleResponse(sample_id, 0, 0)])
+
+    def issue(self, samples) -> None:
+        for s in samples:
+            self.senders.submit(self._send, s.id, s.index)
+
+
+def settings(qps: float, seconds: float, min_queries: int, max_seconds: float | None):
+    """LoadGen's Server-scenario settings: Poisson arrivals at ``qps``, p99 <= 60 ms, at least
+    ``seconds`` and ``min_queries``, at most ``max_seconds`` (then INVALID: too few queries)."""
+    import mlperf_loadgen as lg
+
+    s = lg.TestSettings()
+    s.scenario = lg.TestScenario.Server
+    s.mode = lg.TestMode.PerformanceOnly
+    s.server_target_qps = qps
+    s.server_target_latency_ns = int(P99_BOUND_MS * 1e6)
+    s.server_target_latency_percentile = 0.99
+    s.min_duration_ms = int(seconds * 1000)
+    s.min_query_count = min_queries
+    if max_seconds:
+        s.max_duration_ms = int(max_seconds * 1000)
+    return s
+
+
+def run(
+    url: str,
+    pool: list[tuple[int, bytes]],
+    qps: float,
+    seconds: float,
+    min_queries: int = MIN_QUERIES,
+    max_seconds: float | None = None,
+    out: Path | None = None,
+    procs=None,
+) -> dict:
+    """One LoadGen Server run at ``qps`` against ``url``: LoadGen's verdict and latencies
+    (parse_summary), queries and pairs answered per second, failed answers, and the client's CPU
+    (LoadGen and the senders) per query; with ``procs`` (a callable returning {group: pids},
+    e.g. the frontend and the workers) each group's CPU per query too. With ``out`` LoadGen's
+    summary is kept in that file."""
+    import mlperf_loadgen as lg
+
+    sut = HttpSUT(url, pool)
+    lg_sut = lg.ConstructSUT(sut.issue, lambda: None)
+    qsl = lg.ConstructQSL(len(pool), len(pool), lambda s: None, lambda s: None)
+    logs = Path(tempfile.mkdtemp(prefix="loadgen-"))
+    log_settings = lg.LogSettings()
+    log_settings.log_output.outdir = str(logs)
+    log_settings.log_output.copy_summary_to_stdout = False
+    groups = procs() if procs else {}
+    cpu0, client0, t0 = cpu_snapshot(groups), _self_cpu(), time.perf_counter()
+    try:
+        lg.StartTestWithLogSettings(lg_sut, qsl, settings(qps, seconds, min_queries, max_seconds), log_settings)
+    finally:
+        took = time.perf_counter() - t0
+        sut.senders.shutdown(wait=True)
+        lg.DestroyQSL(qsl)
+        lg.DestroySUT(lg_sut)
+    cpu1, client = cpu_snapshot(groups), _self_cpu() - client0
+    text = (logs / "mlperf_log_summary.txt").read_text()
+    shutil.rmtree(logs, ignore_errors=True)
+    if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text)
+    res = {"target_qps": round(qps, 2), "seconds": round(took, 1), **parse_summary(text)}
+    q = max(1, sut.queries)
+    res.update(
+        queries=sut.queries,
+        errors=sut.errors,
+        pairs_mean=round(sut.pairs / q, 1),
+        queries_per_s=round(sut.queries / took, 2),
+        pairs_per_s=round(sut.pairs / took),
+        client_cpu_us_per_query=round(client / q * 1e6),
+        summary=str(Path(out).relative_to(ROOT) if out and Path(out).is_relative_to(ROOT) else out or ""),
+    )
+    if cpu0 and cpu1:  # a worker replaced meanwhile (its pid gone): no CPU figure for this run
+        res.update({f"{k}_cpu_us_per_query": round((cpu1[k] - cpu0[k]) / q * 1e6) for k in groups})
+    res["ok"] = bool(res.get("valid")) and sut.errors == 0
+    return res
+
+
+def _self_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+_LATENCIES = {"50.00": "p50_ms", "90.00": "p90_ms", "99.00": "p99_ms", "99.90": "p999_ms"}
+
+
+def parse_summary(text: str) -> dict:
+    """LoadGen's mlperf_log_summary.txt: the verdict (``valid``), which constraints failed,
+    scheduled and completed samples/s, and the latency percentiles in ms.
+
+    >>> parse_summary("Result is : INVALID\\n  Min queries satisfied : NO\\n99.00 percentile latency (ns)   : 61500000")
+    {'valid': False, 'unsatisfied': ['Min queries'], 'p99_ms': 61.5}
+    """
+    out: dict = {}
+    for line in text.splitlines():
+        key, _, value = (part.strip() for part in line.partition(":"))
+        if key == "Result is":
+            out["valid"] = value == "VALID"
+        elif key.endswith("satisfied") and value.upper() == "NO":
+            out.setdefault("unsatisfied", []).append(key.removesuffix(" satisfied"))
+        elif key == "Scheduled samples per second":
+            out["scheduled_qps"] = float(value)
+        elif key == "Completed samples per second":
+            out["completed_qps"] = float(value)
+        elif key.endswith("percentile latency (ns)") and key.split()[0] in _LATENCIES:
+            out[_LATENCIES[key.split()[0]]] = round(int(value) / 1e6, 1)
+        elif key == "Max latency (ns)":
+            out["max_ms"] = round(int(value) / 1e6, 1)
+        elif line.startswith(" * Would need to run at least"):
+            out["early_stopping"] = line.strip(" *")
+    if "valid" not in out:
+        raise ValueError("not a LoadGen summary: no 'Result is' line")
+    return out
+
+
+def next_rate(lo: float | None, hi: float | None, rate: float, step: float, tol: float, floor: float) -> float | None:
+    """The next offered rate of ``search``, or None when done: up by ``step`` from the highest
+    valid rate ``lo`` until a rate fails, down from the lowest failed one ``hi`` until one passes
+    (None below ``floor``: no rate meets the bound), then the geometric midpoint until
+    hi / lo < ``tol``.
+
+    >>> next_rate(10, None, 10, 2, 1.1, 0.1), next_rate(None, 10, 10, 2, 1.1, 0.1), next_rate(10, 20, 20, 2, 1.1, 0.1)
+    (20, 5.0, 14.142135623730951)
+    """
+    if lo is None and hi is None:
+        return rate
+    if hi is None:
+        return lo * step
+    if lo is None:
+        return hi / step if hi / step >= floor else None
+    return (lo * hi) ** 0.5 if hi / lo >= tol else None
+
+
+def search(run_at, start: float, steps: int = 7, step: float = 2.0, tol: float = 1.1, floor: float = 0.1) -> dict:
+    """The highest offered rate ``run_at(rate)`` (a dict with ``ok``) passes: from ``start``,
+    ``next_rate`` after each run, ``steps`` runs at most. Going down with no pass yet, it stops
+    once halving the rate cut p99 by less than 20% (queueing is not what breaks the bound).
+    Returns {"best": the best passing run or None, "runs": every run in order}."""
+    runs: list[dict] = []
+    lo = hi = None
+    rate: float | None = start
+    while rate is not None and len(runs) < steps:
+        r = run_at(rate)
+        r.setdefault("target_qps", rate)
+        runs.append(r)
+        if r["ok"]:  # next_rate only goes above lo ...
+            lo = rate
+        else:  # ... or below hi
+            hi = rate
+        rate = next_rate(lo, hi, rate, step, tol, floor)
+        failed = [x.get("p99_ms") for x in runs if not x["ok"]]
+        if lo is None and len(failed) > 1 and None not in failed[-2:] and failed[-1] >= 0.8 * failed[-2]:
+            runs[-1]["note"] = "a lower rate no longer lowers p99: the queries alone take longer than the bound"
+            rate = None
+    passed = [r for r in runs if r["ok"]]
+    return {"best": max(passed, key=lambda r: r["target_qps"]) if passed else None, "runs": runs}

@@ -1,0 +1,220 @@
+"""The measuring library (bench/common.py, bench/mlperf.py) and the Server scenario under LoadGen.
+
+Unit: config overlays, report writing, the rate search on fake verdicts, LoadGen's summary as
+LoadGen itself writes it (a fake system under test in this process), the request bodies against
+the kit's own parser. Integration: bench/server_scenario.py end to end, a few seconds per rate,
+against a real TorchServe serving the tiny seed config.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import pytest
+import yaml
+from conftest import ROOT, TINY, FakeContext, tiny_config
+
+import common
+import mlperf
+import server_scenario
+
+
+def test_overlay_sends_each_key_where_it_belongs():
+    doc = {"batchSize": 64, "handler": {"seed": 0}}
+    items = {"handler.dense_precision": "int8", "workers": 1, "OMP_NUM_THREADS": 2, "maxBatchDelay": 5}
+    got, env = common.overlay(doc, items)
+    assert got == {
+        "batchSize": 64,
+        "handler": {"seed": 0, "dense_precision": "int8"},
+        "maxBatchDelay": 5,
+        "minWorkers": 1,
+        "maxWorkers": 1,
+    }
+    assert env == {"OMP_NUM_THREADS": "2"}
+    assert doc == {"batchSize": 64, "handler": {"seed": 0}}  # the caller's document is left alone
+
+
+def test_parse_variant():
+    assert server_scenario.parse_variant("int8:handler.dense_precision=int8,batchSize=1") == (
+        "int8",
+        {"handler.dense_precision": "int8", "batchSize": 1},
+    )
+    assert server_scenario.parse_variant("fp32:") == ("fp32", {})
+
+
+def test_write_report_writes_json_md_and_the_plot(tmp_path):
+    def plot(report, path):
+        path.write_bytes(b"png of " + json.dumps(report).encode())
+
+    common.write_report(tmp_path / "r", {"rows": [1, 2], "wall_s": 3}, ["| a |", "|---|"], plot)
+    assert json.loads((tmp_path / "r.json").read_text()) == {"rows": [1, 2], "wall_s": 3}
+    assert (tmp_path / "r.md").read_text() == "| a |\n|---|\n"
+    assert (tmp_path / "r.png").read_bytes().startswith(b"png of ")
+
+
+def test_write_report_without_matplotlib_skips_only_the_plot(tmp_path):
+    def plot(report, path):
+        raise ImportError("no matplotlib")
+
+    common.write_report(tmp_path / "r", {"wall_s": 0}, ["x"], plot)
+    assert (tmp_path / "r.json").exists() and (tmp_path / "r.md").exists()
+    assert not (tmp_path / "r.png").exists()
+
+
+def fake_sut(threshold: float, noise: dict | None = None):
+    """A run that passes below ``threshold`` q/s (``noise``: rates whose verdict is flipped)."""
+
+    def run_at(rate):
+        ok = rate <= threshold
+        return {"ok": ok != (rate in (noise or {})), "p99_ms": 30.0 if ok else 200.0 * rate / threshold}
+
+    return run_at
+
+
+@pytest.mark.parametrize("threshold", [0.7, 23.0, 400.0])
+def test_search_brackets_the_highest_passing_rate(threshold):
+    found = mlperf.search(fake_sut(threshold), start=20.0, steps=12, tol=1.05)
+    best = found["best"]["target_qps"]
+    failed_above = min(r["target_qps"] for r in found["runs"] if not r["ok"])
+    assert best <= threshold < failed_above <= best * 1.05
+
+
+def test_search_with_a_noisy_failure_reports_the_best_run_that_passed():
+    found = mlperf.search(fake_sut(23.0, noise={40.0 / 2**0.5}), start=20.0, steps=7)
+    best = found["best"]
+    assert best["ok"] and best["target_qps"] == max(r["target_qps"] for r in found["runs"] if r["ok"])
+
+
+def test_search_stops_when_a_lower_rate_no_longer_lowers_p99():
+    found = mlperf.search(lambda rate: {"ok": False, "p99_ms": 300.0 + rate}, start=8.0, steps=7)
+    assert found["best"] is None
+    assert [r["target_qps"] for r in found["runs"]] == [8.0, 4.0]
+    assert "no longer lowers p99" in found["runs"][-1]["note"]
+
+
+def test_search_gives_up_below_the_floor():
+    found = mlperf.search(lambda rate: {"ok": False, "p99_ms": 1000.0 * rate}, start=0.4, steps=9, floor=0.1)
+    assert found["best"] is None and [r["target_qps"] for r in found["runs"]] == [0.4, 0.2, 0.1]
+
+
+def loadgen_summary(tmp_path, latency_s: float, qps: float = 200.0) -> str:
+    """A real LoadGen Server run in this process against a SUT that answers after ``latency_s``."""
+    import mlperf_loadgen as lg
+
+    def issue(samples):
+        for s in samples:
+            t = threading.Timer(latency_s, lg.QuerySamplesComplete, [[lg.QuerySampleResponse(s.id, 0, 0)]])
+            t.start()
+
+    sut = lg.ConstructSUT(issue, lambda: None)
+    qsl = lg.ConstructQSL(8, 8, lambda s: None, lambda s: None)
+    log = lg.LogSettings()
+    log.log_output.outdir = str(tmp_path)
+    log.log_output.copy_summary_to_stdout = False
+    lg.StartTestWithLogSettings(sut, qsl, mlperf.settings(qps, 1.0, 100, 10.0), log)
+    lg.DestroyQSL(qsl)
+    lg.DestroySUT(sut)
+    time.sleep(latency_s)  # the last timers
+    return (tmp_path / "mlperf_log_summary.txt").read_text()
+
+
+def test_parse_summary_of_a_fast_sut_is_valid_under_the_bound(tmp_path):
+    got = mlperf.parse_summary(loadgen_summary(tmp_path, 0.002, qps=500.0))
+    assert got["valid"] and "unsatisfied" not in got
+    assert 2 <= got["p50_ms"] <= got["p99_ms"] < mlperf.P99_BOUND_MS
+    assert got["scheduled_qps"] > 0 and got["completed_qps"] > 0
+
+
+def test_parse_summary_of_a_slow_sut_is_invalid_and_says_why(tmp_path):
+    got = mlperf.parse_summary(loadgen_summary(tmp_path, 0.08))
+    assert not got["valid"] and "Performance constraints" in got["unsatisfied"]
+    assert got["p99_ms"] >= 80
+
+
+def test_parse_summary_refuses_other_text():
+    with pytest.raises(ValueError, match="not a LoadGen summary"):
+        mlperf.parse_summary("99.00 percentile latency (ns) : 5\n")
+
+
+def test_request_bodies_parse_with_the_kits_parser():
+    from dlrmkit.forms import RequestParser
+
+    cfg = tiny_config(max_instances_per_request=1024, max_ids_per_request=1 << 16)
+    parser, rng = RequestParser(cfg), random.Random(0)
+    for kind in (1, 128, common.RANKING, common.COLUMNS, common.COLUMNS_ALL):
+        assert parser.parse(common.make_kind(kind, cfg, rng)) is not None, kind
+    pool = mlperf.query_pool(cfg, 20)
+    assert all(mlperf.PAIRS[0] <= n <= mlperf.PAIRS[1] for n, _ in pool)
+    for n, body in pool[:3]:
+        assert len(json.loads(body)["columns"]["dense"]) == n
+        parser.parse(body)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_load_served_runs_the_dense_half_the_handler_serves(tmp_path, precision):
+    import torch
+
+    from dlrm_handler import TorchRecDLRMHandler
+    from dlrmkit.config import DLRMConfig
+
+    cfg_path = tmp_path / "model-config.yaml"
+    cfg_path.write_text(yaml.safe_dump({"handler": dict(TINY)}))
+    source, doc, _ = common.build_archive(cfg_path, tmp_path / "store", "m", {"handler.dense_precision": precision})
+    model_dir = common.unpack(tmp_path / "store" / "m.mar", tmp_path / "m")
+    cfg = DLRMConfig.from_yaml(source)
+    model, what = common.load_served(cfg, model_dir)
+    # dlrmkit.dense.prepare's own line: the precision, or fp32 saying it fell back from it on this CPU
+    assert what.startswith(precision) or f"FALLING BACK from {precision}" in what
+    handler = TorchRecDLRMHandler()
+    handler.initialize(FakeContext(model_dir, doc["handler"]))
+    forward = common.raw_caller(cfg, 16, random.Random(1))
+    torch.testing.assert_close(forward(model)(), forward(handler.model)(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.integration
+def test_server_scenario_under_loadgen_against_a_real_torchserve(tmp_path):
+    cfg = tmp_path / "model-config.tiny.yaml"
+    doc = yaml.safe_load((ROOT / "model-config.yaml").read_text())
+    cfg.write_text(yaml.safe_dump(doc))
+    args = [
+        "--configs",
+        str(cfg),
+        "--variant",
+        "b8:batchSize=8",
+        "--seconds",
+        "2",
+        "--max-seconds",
+        "8",
+        "--min-queries",
+        "20",
+        "--steps",
+        "2",
+        "--start-qps",
+        "10",
+        "--queries",
+        "16",
+        "--warm-up",
+        "2",
+        "--host-seconds",
+        "0.3",
+        "--out",
+        str(tmp_path / "scenario"),
+        "--loadgen-dir",
+        str(tmp_path / "lg"),
+    ]
+    assert server_scenario.main(args) == 0
+    report = json.loads((tmp_path / "scenario.json").read_text())
+    (row,) = report["rows"]
+    assert row["variant"] == "b8" and row["batch_size"] == 8 and row["dense"] == "fp32"
+    assert len(row["runs"]) == 2 and row["runs"][0]["target_qps"] == 10
+    for r in row["runs"]:
+        summary = (tmp_path / "lg" / f"tiny-b8-{r['target_qps']:.2f}qps.txt").read_text()
+        assert mlperf.parse_summary(summary)["valid"] == r["valid"]
+        assert r["errors"] == 0 and r["p99_ms"] > 0
+        # LoadGen stops a rate at --max-seconds: then, and only then, too few queries were sent
+        assert ("Min queries" in r.get("unsatisfied", [])) == (r["queries"] < 20)
+    assert (tmp_path / "scenario.md").read_text().count("| model-config.tiny.yaml | b8 |") == 1
+    assert (tmp_path / "scenario.png").stat().st_size > 0
