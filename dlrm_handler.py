@@ -17,6 +17,7 @@ batch's forward pass. TorchServe imports this file and wants exactly one class i
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import re
@@ -33,6 +34,7 @@ from dlrmkit.batch import collate, scores
 from dlrmkit.forms import RequestParser
 from dlrmkit.cpus import available_cpus, forward_threads, torch_threads
 from dlrmkit import dense as dense_half
+from dlrmkit import delta as live
 from dlrmkit.errors import BadRequest, ConfigError, RequestError
 from dlrm_factory import DLRMFactory
 from dlrmkit.protocols import BINARY_HEADER, open_request
@@ -62,6 +64,8 @@ CONTENT_TYPE = ("Content-Type", "content-type", "Content-type", "CONTENT-TYPE")
 
 class TorchRecDLRMHandler(BaseHandler, ABC):
     """Scores DLRM requests; see docs/requests-and-errors.md for the request and response formats."""
+
+    deltas = None  # with handler.delta_dir: the dlrmkit.delta.DeltaApplier following it
 
     def initialize(self, context):
         props = context.system_properties
@@ -94,6 +98,8 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         self.parser = RequestParser(self.config)
         model = (self.manifest or {}).get("model", {})
         self.model_id = (model.get("modelName", "dlrm"), str(model.get("modelVersion", "1.0")))
+        # handler.delta_dir: every visible delta applied now, before the worker reports ready; then a watcher
+        self.deltas = live.start_watcher(self, context, dense, devices)
         self.initialized = True
         logger.info(
             "DLRM loaded on %s in %.1f s: %d dense, %d sparse features, %d embedding rows (%s), output %s, "
@@ -112,9 +118,12 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         self.context = context
         pre = self.preprocess(data)
         t.append(time.perf_counter())
-        scored = self.inference(pre)
+        # The whole batch scored under one delta sequence: never between a delta's rows (dlrmkit/delta.py)
+        with self.deltas.serving() if self.deltas else contextlib.nullcontext() as sequence:
+            scored = self.inference(pre)
         t.append(time.perf_counter())
         out = self.postprocess(scored)
+        live.tag_responses(context, len(data), sequence)
         t.append(time.perf_counter())
         _record_metrics(context.metrics, len(data), pre[0], scored[1], t,
                         sum(getattr(self.requests[i], "clipped", 0) for i in scored[0]))

@@ -28,6 +28,7 @@ class Connection:
         self.host, self.port, self.path = parts.hostname, parts.port or 80, parts.path or "/"
         self.extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self.reader = self.writer = None
+        self.headers: dict[str, str] = {}  # the last response's header fields, names lower-cased
 
     async def post(self, body: bytes, path: str | None = None) -> tuple[int, bytes]:
         for attempt in (0, 1):
@@ -50,12 +51,14 @@ class Connection:
         status_line = await self.reader.readuntil(b"\r\n")
         status = int(status_line.split(b" ", 2)[1])
         length, close = 0, False
+        self.headers = {}
         while True:
             line = await self.reader.readuntil(b"\r\n")
             if line == b"\r\n":
                 break
             name, _, value = line.partition(b":")
             name = name.strip().lower()
+            self.headers[name.decode("latin-1")] = value.strip().decode("latin-1")
             if name == b"content-length":
                 length = int(value)
             elif name == b"connection" and value.strip().lower() == b"close":
@@ -112,11 +115,12 @@ async def run_load(
     deadline_s: float | None = None,
     record: bool = False,
     stop: asyncio.Event | None = None,
+    with_headers: bool = False,
 ) -> LoadResult:
     """``concurrency`` clients, each sending one request at a time until ``duration_s``,
     ``max_requests`` or ``stop`` is set. ``next_request(i)`` returns the body and a check called
     with the answer. A request unanswered after ``deadline_s`` counts as a timeout (its
-    connection is dropped)."""
+    connection is dropped). ``with_headers``: the check also gets the answer's header fields."""
     result = LoadResult()
     started = time.perf_counter()
     deadline = started + duration_s
@@ -151,7 +155,7 @@ async def run_load(
                 result.answered += 1
                 result.statuses[status] = result.statuses.get(status, 0) + 1
                 if check:
-                    check(status, answer)
+                    check(status, answer, conn.headers) if with_headers else check(status, answer)
         finally:
             await conn.close()
 

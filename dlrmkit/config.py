@@ -78,6 +78,10 @@ class DLRMConfig:
     # with dense_shift = 2 - (the training file's minimum dense value); ids by id_overflow.
     raw_input: str | None = None
     dense_shift: float | None = None
+    # Live updates (dlrmkit/delta.py, docs/live-updates.md): a directory of deltas (a volume shared by
+    # the replicas) that every worker follows, polling every delta_poll_s seconds; None: off.
+    delta_dir: str | None = None
+    delta_poll_s: float = 0.5
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None) -> DLRMConfig:
@@ -181,6 +185,13 @@ class DLRMConfig:
         if "table_names" in raw:
             values["table_names"] = _table_names(raw["table_names"], names)
         values.update(_raw_input(raw, len(names)))
+        if raw.get("delta_dir") is not None and (not isinstance(raw["delta_dir"], str) or not raw["delta_dir"]):
+            raise ConfigError(f"handler.delta_dir: expected a directory path, got {raw['delta_dir']!r} "
+                              "(e.g. delta_dir: /deltas/dlrm)")
+        poll = raw.get("delta_poll_s", 0.5)
+        if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not 0.01 <= poll <= 3600:
+            raise ConfigError(f"handler.delta_poll_s: expected seconds between 0.01 and 3600, got {poll!r} "
+                              "(e.g. delta_poll_s: 0.5)")
         return cls(**values)
 
     @classmethod

@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> Path:
     from dlrmkit import dense
     from dlrmkit.dense import CALIBRATION_FILE
     from dlrmkit.config import DLRMConfig
+    from dlrmkit.delta import BASE_FILE, base_version
     from dlrmkit.errors import BadRequest, ConfigError
     from dlrm_factory import DLRMFactory
     from dlrmkit.protocols import METADATA_FILE, model_metadata
@@ -170,6 +171,9 @@ def main(argv: list[str] | None = None) -> Path:
             state = factory.archive_state(model)
             del model
             torch.save(state, weights)
+            # The archive's identity, which live-update deltas name (dlrmkit/delta.py)
+            (base := Path(tmp) / BASE_FILE).write_text(base_version(weights) + "\n")
+            extra.append(str(base))
             # The v2 metadata the OIP endpoint plugin serves, from the config just validated.
             metadata.write_text(json.dumps(model_metadata(config), indent=1))
             print(f"[build] weights {weights.stat().st_size / 1e6:.1f} MB in {time.perf_counter() - started:.1f} s",

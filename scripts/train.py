@@ -17,6 +17,12 @@ in ``DistributedModelParallel`` over ``--world-size`` CPU processes (gloo). ``--
 - ``verify.jsonl``: the same rows as ``build_mar.py --verify`` reads them, one ``instances``
   request of up to 100 rows a line with the trainer's scores and labels.
 
+Live updates (docs/live-updates.md): ``--resume DIR`` continues from a previous ``--out``'s
+checkpoint (the one an archive was built from), and ``--publish-dir D --publish-every N
+--publish-base B`` writes a delta (dlrmkit/delta.py) every N steps: the rows torchrec's delta
+tracker saw looked up since the last one (ID_ONLY mode; their current values are read from the
+local shards and gathered on rank 0) and every dense parameter. Publishing needs table-wise sharding.
+
 Synthetic clicks (the default) carry a learnable signal: the click probability is
 sigmoid(dense . w + sum over features of a per-id effect), with w and the effects drawn from
 ``--seed``; every rank draws the same stream and trains on its own slice of each batch.
@@ -70,7 +76,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "transformed as torchrec's tsv_to_npys does and as the handler serves raw lines (dlrmkit.criteo: "
                     "dense ln(x + 2 - min), ids int(hex, 16) %% rows); the last --heldout lines are held out and "
                     "saved raw in heldout.json (lines, dense_shift)")
+    ap.add_argument("--resume", metavar="DIR", help="start from DIR/checkpoint (a previous --out) instead of a fresh init")
+    ap.add_argument("--publish-dir", metavar="D", help="write live-update deltas into D (docs/live-updates.md)")
+    ap.add_argument("--publish-every", type=int, default=10, metavar="N", help="steps per delta (default: %(default)s)")
+    ap.add_argument("--publish-base", metavar="B", help="the served archive's base version (its delta-base.txt)")
+    ap.add_argument("--publish-model", default="dlrm", help="the served model's name (default: %(default)s)")
     args = ap.parse_args(argv)
+    if args.publish_dir and not args.publish_base:
+        ap.error("--publish-dir needs --publish-base (the served archive's delta-base.txt)")
+    if args.publish_dir and args.sharding != "table_wise":
+        ap.error("--publish-dir reads each table whole from its rank: use --sharding table_wise")
     args.dense_arch = [int(x) for x in args.dense_arch.split(",")]
     args.over_arch = [int(x) for x in args.over_arch.split(",")]
     args.branch1 = [int(x) for x in args.branch1.split(",")]
@@ -188,6 +203,17 @@ def worker(rank: int, args, port: int) -> None:
     ).collective_plan(model, sharders, dist.GroupMember.WORLD)
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
     dense_opt = KeyedOptimizerWrapper(dict(dmp.named_parameters()), lambda ps: torch.optim.Adagrad(ps, lr=args.lr))
+    if args.resume:
+        state = dmp.state_dict()
+        dcp.load(state, checkpoint_id=Path(args.resume) / "checkpoint")
+        dmp.load_state_dict(state)
+        log(f"resumed from {Path(args.resume) / 'checkpoint'}")
+    publish = None
+    if args.publish_dir:
+        from torchrec.distributed.model_tracker.types import DeltaTrackerConfig, TrackingMode
+
+        dmp.init_torchrec_delta_tracker(DeltaTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, delete_on_read=True))
+        publish = Publisher(args, dmp, rank, log)
     per_rank = args.batch_size // args.world_size
     started = time.perf_counter()
     dmp.train()
@@ -198,6 +224,8 @@ def worker(rank: int, args, port: int) -> None:
         dense_opt.zero_grad()
         loss.backward()
         dense_opt.step()
+        if publish and ((step + 1) % args.publish_every == 0 or step == steps - 1):
+            publish(step + 1)
         if step % max(1, steps // 5) == 0 or step == steps - 1:
             log(f"step {step + 1}/{steps}: loss {loss.item():.4f}")
     log(f"trained {steps} steps of {args.batch_size} rows on {args.world_size} rank(s) "
@@ -227,6 +255,45 @@ def worker(rank: int, args, port: int) -> None:
         log(f"held-out AUC {doc['auc']:.4f} on {len(rows)} rows; saved {out / 'checkpoint'} "
             f"(DCP, {args.world_size} rank(s)), {out / 'heldout.json'} and {out / 'verify.jsonl'}")
     dist.destroy_process_group()
+
+
+class Publisher:
+    """Every --publish-every steps: the tables' rows looked up since the last delta (torchrec's delta
+    tracker, ID_ONLY: EMBEDDING mode is refused for the sharded EBC, so the rows are read from the
+    local shards), gathered on rank 0 with every dense parameter and written as the next delta."""
+
+    PREFIX = "model.sparse_arch.embedding_bag_collection.embedding_bags."
+
+    def __init__(self, args, dmp, rank: int, log):
+        from dlrmkit.delta import next_sequence
+
+        self.args, self.dmp, self.rank, self.log = args, dmp, rank, log
+        self.sequence = next_sequence(args.publish_dir)
+
+    def __call__(self, step: int) -> None:
+        import torch.distributed as dist
+
+        from dlrmkit.delta import write_delta
+
+        stepped = time.time()  # the step is done: freshness lag counts from here
+        tracked = self.dmp.get_delta_tracker().get_unique()
+        state = self.dmp.state_dict()
+        mine = {}
+        for fqn, unique in tracked.items():
+            shards = state[f"{fqn}.weight"].local_shards()
+            if shards and len(unique.ids):  # table-wise: the owning rank holds the whole table
+                ids = unique.ids.to(torch.int64)
+                mine[fqn[len(self.PREFIX) + 2:]] = (ids, shards[0].tensor[ids].detach().clone())  # t_<f> -> f
+        gathered = [None] * self.args.world_size
+        dist.all_gather_object(gathered, mine)
+        if self.rank != 0:
+            return
+        tables = {t: rows for part in gathered for t, rows in part.items()}
+        dense = {k[len("model."):]: v for k, v in state.items() if not k.startswith(self.PREFIX)}
+        path = write_delta(self.args.publish_dir, self.args.publish_model, self.args.publish_base, self.sequence,
+                           tables, dense, extra={"step": str(step), "step_time": repr(stepped)})
+        self.log(f"step {step}: delta {path.name}, {sum(len(i) for i, _ in tables.values())} rows")
+        self.sequence += 1
 
 
 def free_port() -> int:

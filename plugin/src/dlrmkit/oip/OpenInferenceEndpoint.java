@@ -45,6 +45,7 @@ import org.pytorch.serve.wlm.WorkerThread;
 public final class OpenInferenceEndpoint extends ModelServerEndpoint {
     /** The archive's v2 description: inputs, outputs, max_batch_size (scripts/build_mar.py). */
     static final String METADATA_FILE = "oip-metadata.json";
+    static final String DELTA_STATE_DIR = "delta-state"; // dlrmkit/delta.py STATE_DIR
 
     static final String[] EXTENSIONS = {"binary_tensor_data", "model_configuration"};
     private static final Gson GSON = new Gson();
@@ -207,7 +208,45 @@ public final class OpenInferenceEndpoint extends ModelServerEndpoint {
         body.addProperty("platform", "pytorch_torchserve");
         body.add("inputs", desc.has("inputs") ? desc.get("inputs") : new JsonArray());
         body.add("outputs", desc.has("outputs") ? desc.get("outputs") : new JsonArray());
+        addDeltaSequence(body, model);
         return body;
+    }
+
+    /**
+     * Live updates (handler.delta_dir): each worker writes delta-state/PID.json in the model
+     * directory with the delta sequence it serves. delta_sequence is the lowest among the live
+     * workers (every answer is at least that fresh), delta_sequences each worker's, by pid.
+     */
+    private static void addDeltaSequence(JsonObject body, Model model) {
+        File dir = new File(model.getModelDir(), DELTA_STATE_DIR);
+        if (!dir.isDirectory()) {
+            return;
+        }
+        JsonObject each = new JsonObject();
+        long lowest = Long.MAX_VALUE;
+        for (WorkerThread w : ModelManager.getInstance().getWorkers(model.getModelVersionName())) {
+            File f = new File(dir, w.getPid() + ".json");
+            if (w.getState() != WorkerState.WORKER_MODEL_LOADED || !f.isFile()) {
+                continue;
+            }
+            try {
+                JsonObject state =
+                        JsonParser.parseString(
+                                        new String(
+                                                Files.readAllBytes(f.toPath()),
+                                                StandardCharsets.UTF_8))
+                                .getAsJsonObject();
+                long seq = state.get("sequence").getAsLong();
+                each.addProperty(Integer.toString(w.getPid()), seq);
+                lowest = Math.min(lowest, seq);
+            } catch (IOException | RuntimeException e) {
+                // being replaced by the worker right now: left out of this answer
+            }
+        }
+        if (lowest != Long.MAX_VALUE) {
+            body.addProperty("delta_sequence", lowest);
+            body.add("delta_sequences", each);
+        }
     }
 
     /**

@@ -1,0 +1,687 @@
+"""Live model updates: a trainer's changed embedding rows (and dense parameters) applied to a
+serving model in order, versioned, never mixing old and new rows within one score.
+
+A **delta** is one safetensors file ``delta-<sequence:08d>.safetensors`` in a directory (a volume
+shared by every replica), made visible by a marker ``delta-<sequence:08d>.ready`` written last:
+a reader never sees a half-written delta. It holds, per table it changes, ``<table>.ids`` (int64
+[n]) and ``<table>.rows`` (float32 [n, D], the trainer's rows), optionally ``dense.<key>`` for every
+dense parameter, and in its metadata the model name, the **base** it applies to (the archive's
+identity, ``base_version``), its sequence number (1, 2, ... on each base) and a sha256 over its
+tensors.
+
+    >>> write_delta(d, model="dlrm", base=base, sequence=1, tables={"feature_0": (ids, rows)})
+    PosixPath('d/delta-00000001.safetensors')
+
+``DeltaApplier`` is the serving side (TorchServe-free): ``catch_up`` applies every visible delta
+in sequence, ``start`` keeps polling in a thread. Each delta is read, validated and converted to
+the tables' dtype exactly as the archive build converts them (``fused_rows``: torchrec's quantizer
+for fp16/int8/int4, row-wise, so a row's bytes do not depend on its neighbours) *outside* the
+lock; only the in-place writes happen under ``lock``, which the handler holds for each whole
+batch's forward (``serving``): every request is scored entirely before or entirely after a delta.
+Writes go to the worker's memory-mapped table pages, which become private to that worker (the
+archive file is never written): see docs/live-updates.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "dlrm-delta/1"
+BASE_FILE = "delta-base.txt"  # the archive's identity, written by scripts/build_mar.py
+STATE_DIR = "delta-state"  # per-worker <pid>.json in the model dir: what the OIP plugin reports
+_NAME = re.compile(r"delta-(\d{8})\.ready$")
+DENSE = "dense."
+# Test only: apply without the lock, pausing this many seconds between tables, so that a test can
+# prove its torn-score check catches a torn apply (tests/test_delta_server.py). Never set in serving.
+UNGUARDED_ENV = "DLRM_DELTA_TEST_UNGUARDED_PAUSE_S"
+HANDOVER_S = 0.1  # how long a prepared delta waits for the next batch to write it (DeltaApplier.apply)
+REASONS = (
+    "format",
+    "model",
+    "base",
+    "sequence",
+    "table",
+    "shape",
+    "dtype",
+    "range",
+    "duplicate",
+    "nonfinite",
+    "corrupt",
+    "checksum",
+    "dense",
+)
+
+
+class DeltaError(Exception):
+    """A delta refused: ``reason`` is one of REASONS (the metric's dimension), the message says why."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def delta_path(directory: str | Path, sequence: int, suffix: str = ".safetensors") -> Path:
+    return Path(directory) / f"delta-{sequence:08d}{suffix}"
+
+
+def base_version(weights: str | Path) -> str:
+    """The archive's identity: sha256 of its weights file, 16 hex digits. Deltas name it, so a delta
+    made for another archive (or after a rollout to a new one) is refused."""
+    h = hashlib.sha256()
+    with open(weights, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def checksum(tensors: Mapping[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for key in sorted(tensors):
+        h.update(key.encode())
+        h.update(tensors[key].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())
+    return h.hexdigest()
+
+
+def ready_sequences(directory: str | Path) -> dict[int, Path]:
+    """Sequence -> marker of every visible delta in ``directory``."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return {}
+    return {int(m.group(1)): Path(directory) / n for n in names if (m := _NAME.match(n))}
+
+
+def next_sequence(directory: str | Path) -> int:
+    return max(ready_sequences(directory), default=0) + 1
+
+
+def write_delta(
+    directory: str | Path,
+    model: str,
+    base: str,
+    sequence: int,
+    tables: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    dense: Mapping[str, torch.Tensor] | None = None,
+    extra: Mapping[str, str] | None = None,
+) -> Path:
+    """Write delta ``sequence`` atomically: the file under a temporary name, renamed into place,
+    then its ``.ready`` marker, also renamed into place. ``tables``: name -> (ids, fp32 rows)."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}  # own copies: safetensors refuses tensors that share memory
+    for name, (ids, rows) in tables.items():
+        tensors[f"{name}.ids"] = torch.as_tensor(ids, dtype=torch.int64).reshape(-1).clone()
+        tensors[f"{name}.rows"] = torch.as_tensor(rows).detach().to(torch.float32).clone()
+    for key, value in (dense or {}).items():
+        tensors[DENSE + key] = value.detach().to(torch.float32).clone()
+    meta = {
+        "format": FORMAT,
+        "model": model,
+        "base": base,
+        "sequence": str(sequence),
+        "tables": ",".join(tables),
+        "created": repr(time.time()),
+        "checksum": checksum(tensors),
+        **(extra or {}),
+    }
+    final = delta_path(directory, sequence)
+    tmp = directory / f".{final.name}.{os.getpid()}.tmp"
+    save_file(tensors, str(tmp), metadata=meta)
+    _fsync_replace(tmp, final)
+    marker = delta_path(directory, sequence, ".ready")
+    tmp = directory / f".{marker.name}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"sequence": sequence, "rows": sum(len(i) for i, _ in tables.values())}))
+    _fsync_replace(tmp, marker)
+    return final
+
+
+def _fsync_replace(tmp: Path, final: Path) -> None:
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+
+
+@dataclass
+class Delta:
+    path: Path
+    model: str
+    base: str
+    sequence: int
+    created: float
+    tables: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    dense: dict[str, torch.Tensor]
+    meta: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        return sum(len(ids) for ids, _ in self.tables.values())
+
+
+def read_delta(path: str | Path) -> Delta:
+    """Read and check a delta file's integrity (not yet whether it fits a model: ``Target.check``)."""
+    from safetensors.torch import load
+
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+        tensors = load(data)
+        n = int.from_bytes(data[:8], "little")
+        meta = json.loads(data[8 : 8 + n]).get("__metadata__") or {}
+    except Exception as e:  # safetensors raises its own error type for a truncated or foreign file
+        raise DeltaError("corrupt", f"not a readable safetensors file ({type(e).__name__}: {e})") from None
+    if meta.get("format") != FORMAT:
+        raise DeltaError("format", f"metadata format is {meta.get('format')!r}, expected {FORMAT!r}")
+    if checksum(tensors) != meta.get("checksum"):
+        raise DeltaError("checksum", "the tensors' sha256 differs from the metadata's checksum")
+    names = [t for t in (meta.get("tables") or "").split(",") if t]
+    want = {f"{t}.{part}" for t in names for part in ("ids", "rows")}
+    stray = sorted(k for k in tensors if k not in want and not k.startswith(DENSE))
+    if stray or not want <= set(tensors):
+        raise DeltaError(
+            "format", f"tensors {stray or sorted(want - set(tensors))} do not match the tables {names} of the metadata"
+        )
+    try:
+        sequence, created = int(meta["sequence"]), float(meta.get("created", "0"))
+    except (KeyError, ValueError):
+        raise DeltaError("format", f"metadata sequence {meta.get('sequence')!r} is not an integer") from None
+    return Delta(
+        path,
+        meta.get("model", ""),
+        meta.get("base", ""),
+        sequence,
+        created,
+        {t: (tensors[f"{t}.ids"], tensors[f"{t}.rows"]) for t in names},
+        {k[len(DENSE) :]: v for k, v in tensors.items() if k.startswith(DENSE)},
+        meta,
+    )
+
+
+def changes(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> tuple[dict, dict | None]:
+    """What a delta from serving state_dict ``old`` to ``new`` (fp32, as dlrmkit.checkpoint imports
+    them) carries: per table the rows that differ, and every dense parameter if any of them differs."""
+    from dlrmkit.scale import EBC
+
+    prefix = EBC + "embedding_bags."
+    tables = {}
+    for key, w in new.items():
+        if key.startswith(prefix):
+            ids = torch.nonzero((w != old[key]).any(dim=1)).reshape(-1)
+            if len(ids):
+                tables[key[len(prefix) : -len(".weight")]] = (ids, w[ids])
+    dense = {k: v for k, v in new.items() if not k.startswith(EBC)}
+    moved = any(not torch.equal(v, old[k]) for k, v in dense.items())
+    return tables, dense if moved else None
+
+
+@dataclass
+class Target:
+    """What a served model accepts: its name, base, tables (name -> (rows, D)), dense parameter
+    shapes, and why dense deltas are refused (None: they are taken)."""
+
+    model: str
+    base: str
+    tables: dict[str, tuple[int, int]]
+    dense: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    dense_refused: str | None = None
+
+    def check(self, d: Delta, sequence: int) -> None:
+        """Raise DeltaError naming the first thing in ``d`` that does not fit, else return."""
+        if d.model != self.model:
+            raise DeltaError("model", f"made for model {d.model!r}, this is {self.model!r}")
+        if d.base != self.base:
+            raise DeltaError(
+                "base",
+                f"made for base {d.base!r}, this archive is {self.base!r} (a delta stream belongs to one archive)",
+            )
+        if d.sequence != sequence:
+            raise DeltaError("sequence", f"its metadata says sequence {d.sequence}, its file name {sequence}")
+        for name, (ids, rows) in d.tables.items():
+            if name not in self.tables:
+                raise DeltaError("table", f"table {name!r} is not in the model (tables: {', '.join(self.tables)})")
+            n, dim = self.tables[name]
+            if ids.dtype != torch.int64 or ids.dim() != 1:
+                raise DeltaError("dtype", f"{name}.ids: expected int64 [n], got {str(ids.dtype)[6:]} {list(ids.shape)}")
+            if rows.dtype != torch.float32:
+                raise DeltaError("dtype", f"{name}.rows: expected float32, got {str(rows.dtype)[6:]}")
+            if tuple(rows.shape) != (len(ids), dim):
+                raise DeltaError(
+                    "shape", f"{name}.rows: expected [{len(ids)}, {dim}] (ids x embedding_dim), got {list(rows.shape)}"
+                )
+            if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= n):
+                bad = int(ids[(ids < 0) | (ids >= n)][0])
+                raise DeltaError("range", f"{name}.ids: id {bad} is out of range [0, {n})")
+            if len(torch.unique(ids)) != len(ids):
+                raise DeltaError("duplicate", f"{name}.ids: an id appears twice (which row would win?)")
+            if not bool(torch.isfinite(rows).all()):
+                raise DeltaError("nonfinite", f"{name}.rows: NaN or Inf values")
+        if d.dense:
+            if self.dense_refused:
+                raise DeltaError("dense", self.dense_refused)
+            if set(d.dense) != set(self.dense):
+                odd = sorted(set(d.dense) ^ set(self.dense))
+                raise DeltaError(
+                    "dense",
+                    f"dense parameters must be complete and the model's own; {len(odd)} differ, e.g. {odd[0]!r}",
+                )
+            for key, value in d.dense.items():
+                if tuple(value.shape) != self.dense[key]:
+                    raise DeltaError("shape", f"dense {key}: expected {list(self.dense[key])}, got {list(value.shape)}")
+                if not bool(torch.isfinite(value).all()):
+                    raise DeltaError("nonfinite", f"dense {key}: NaN or Inf values")
+
+
+def fused_rows(rows: Mapping[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
+    """Table name -> the fused kernel's bytes (uint8 [n, row bytes]) of fp32 ``rows``, made as
+    ``DLRMFactory.archive_state`` makes a whole table's: the same torchrec quantizer (row-wise,
+    so a subset of rows converts to exactly the bytes those rows have in a full build)."""
+    from torch import nn
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from dlrmkit.scale import EBC, copy_tables, fused_tables, quant_ebc, quantize, saved_state
+
+    rows = {t: r for t, r in rows.items() if len(r)}
+    if not rows:
+        return {}
+    tables = [
+        EmbeddingBagConfig(name=t, embedding_dim=r.shape[1], num_embeddings=r.shape[0], feature_names=[t])
+        for t, r in rows.items()
+    ]
+    prefix = EBC + "embedding_bags."
+    if dtype == "fp32":
+        qebc = quant_ebc(tables, torch.device("cpu"))
+        copy_tables(qebc, {f"{prefix}{t}.weight": r.contiguous().view(torch.uint8) for t, r in rows.items()})
+        out = fused_tables(qebc)
+    else:
+        ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+        ebc.load_state_dict({f"embedding_bags.{t}.weight": r.contiguous() for t, r in rows.items()}, assign=True)
+        shell = nn.Module()
+        shell.sparse_arch = nn.Module()
+        shell.sparse_arch.embedding_bag_collection = ebc
+        out = saved_state(quantize(shell, dtype))
+    return {k[len(prefix) : -len(".weight")]: v for k, v in out.items() if k.startswith(prefix)}
+
+
+@dataclass
+class Prepared:
+    """A validated delta, converted: what ``apply`` writes under the lock."""
+
+    delta: Delta
+    writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (table view, ids, fused rows)
+    dense_parts: dict[str, torch.nn.Module]
+
+
+class DeltaApplier:
+    """Follows a delta directory for one served model (one per worker).
+
+    ``model``: the served DLRM (or dlrmkit.dense.ServedDLRM), unsharded, tables in fbgemm's fused
+    kernel. ``factory``: a DLRMFactory, to rebuild the dense half for dense deltas. ``metrics``:
+    TorchServe's context.metrics (its lines go out at once, from any thread), or None.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: Any,
+        factory: Any,
+        directory: str | Path,
+        target: Target,
+        poll_s: float = 0.5,
+        metrics: Any = None,
+        state_dir: str | Path | None = None,
+    ):
+        from dlrmkit.scale import fused_tables
+
+        self.model, self.config, self.factory = model, config, factory
+        self.directory, self.target, self.poll_s, self.metrics = Path(directory), target, poll_s, metrics
+        qebc: Any = model.sparse_arch.embedding_bag_collection  # type: ignore[union-attr]
+        self.views = {k.rsplit(".", 2)[-2]: v for k, v in fused_tables(qebc).items()}
+        self.lock = threading.Lock()
+        self.applied = 0
+        self.rows_applied = 0
+        self.refused: dict[int, tuple[tuple[int, int], str]] = {}  # sequence -> (file stat, reason)
+        self.state_file = Path(state_dir) / STATE_DIR / f"{os.getpid()}.json" if state_dir else None
+        self._gap_logged = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_gauges = 0.0
+        self._locked_ms = 0.0
+        self._pending: Prepared | None = None  # prepared, to be written by the next batch (apply)
+        self._taken = threading.Event()
+        self._last_served = -1e9
+        self.applied_at = time.time()
+        pause = os.environ.get(UNGUARDED_ENV)
+        self.unguarded_pause = float(pause) if pause else None
+        if self.unguarded_pause is not None:
+            logger.warning(
+                "%s is set: deltas are applied WITHOUT the lock (a test of the torn-score check)", UNGUARDED_ENV
+            )
+        self._write_state()
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[int]:
+        """Hold for one whole batch's forward: yields the delta sequence it is scored under. A
+        delta the watcher has prepared is written first, here, on the serving thread (see ``apply``)."""
+        with self.lock:
+            self._last_served = time.monotonic()
+            if self._pending is not None:
+                self._apply_locked(self._pending)
+            yield self.applied
+
+    def catch_up(self) -> int:
+        """Apply every delta that is visible and next in sequence; returns how many."""
+        n = 0
+        while self.poll_once():
+            n += 1
+        return n
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="dlrm-delta-watcher", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.catch_up()
+                self._gauges()
+            except Exception:  # never let the watcher die: log, wait, retry
+                logger.exception("delta watcher: unexpected error (retrying in %.1f s)", self.poll_s)
+            self._stop.wait(self.poll_s)
+
+    def lag_seconds(self, ready: dict[int, Path] | None = None) -> float:
+        """Seconds since the oldest visible delta not yet applied became visible (0: caught up)."""
+        ready = ready_sequences(self.directory) if ready is None else ready
+        pending = [s for s in ready if s > self.applied]
+        if not pending:
+            return 0.0
+        try:
+            return max(0.0, time.time() - ready[min(pending)].stat().st_mtime)
+        except FileNotFoundError:
+            return 0.0
+
+    def poll_once(self) -> bool:
+        """Look at the directory once; apply the next delta if it is there and valid."""
+        ready = ready_sequences(self.directory)
+        seq = self.applied + 1
+        if seq not in ready:
+            later = [s for s in ready if s > seq]
+            if later and self._gap_logged != seq:
+                logger.warning("delta %08d is missing while %d later ones are visible: waiting for it", seq, len(later))
+                self._gap_logged = seq
+            return False
+        path = delta_path(self.directory, seq)
+        try:
+            st = path.stat()
+            stamp = (st.st_size, st.st_mtime_ns)
+        except FileNotFoundError:
+            stamp = (-1, 0)
+        if seq in self.refused and self.refused[seq][0] == stamp:
+            return False  # refused as it is: wait for a replacement (renamed over it)
+        started = time.perf_counter()
+        try:
+            if stamp[0] < 0:
+                raise DeltaError("corrupt", "its .ready marker is there but the delta file is not")
+            prepared = self.prepare(read_delta(path), seq)
+        except DeltaError as e:
+            self.refused[seq] = (stamp, e.reason)
+            logger.error(
+                "delta %s REFUSED (%s): %s; the model is unchanged, waiting for a valid delta %08d",
+                path.name,
+                e.reason,
+                e,
+                seq,
+            )
+            self._emit_counter("dlrm_deltas_refused_total", 1, Reason=e.reason)
+            return False
+        self.apply(prepared)
+        d = prepared.delta
+        self.rows_applied += d.rows
+        logger.info(
+            "delta %s applied: %d rows in %d table(s)%s, %.1f ms (%.1f ms under the lock)",
+            path.name,
+            d.rows,
+            len(d.tables),
+            ", dense parameters" if d.dense else "",
+            (time.perf_counter() - started) * 1000,
+            self._locked_ms,
+        )
+        self._emit_counter("dlrm_delta_rows_total", d.rows)
+        self._gauges(force=True)
+        return True
+
+    def prepare(self, d: Delta, sequence: int) -> Prepared:
+        """Validate ``d`` against the model and convert it; nothing served changes."""
+        self.target.check(d, sequence)
+        fused = fused_rows({t: rows for t, (_, rows) in d.tables.items()}, self.config.embedding_dtype)
+        writes = []
+        for t, (ids, _) in d.tables.items():
+            if t in fused:
+                view = self.views[t]
+                src = fused[t]
+                if src.shape[1] > view.shape[1]:
+                    raise DeltaError(
+                        "shape", f"{t}: converted rows are {src.shape[1]} bytes, the table's {view.shape[1]}"
+                    )
+                # Whole rows, the kernel's padding zero-filled as the build leaves it: one contiguous
+                # row copy each (a strided write of part rows took ~10x longer under the lock)
+                src = torch.nn.functional.pad(src, (0, view.shape[1] - src.shape[1]))
+                if view.shape[1] % 8 == 0 and view.data_ptr() % 8 == 0:  # rows are 16-byte aligned: copy
+                    view, src = view.view(torch.int64), src.view(torch.int64)  # 8 bytes at a time (~2x)
+                ids = ids.to(view.device)
+                if view.device.type == "cpu":
+                    # The first write to a page of the memory-mapped archive copies it (copy on write):
+                    # rewrite the rows' current bytes now, outside the lock, so the locked write only
+                    # copies. Safe while serving: the bytes a forward may read do not change.
+                    view.index_copy_(0, ids, view.index_select(0, ids))
+                writes.append((view, ids, src.to(view.device)))
+        return Prepared(d, writes, self._dense_parts(d.dense) if d.dense else {})
+
+    def _dense_parts(self, dense: Mapping[str, torch.Tensor]) -> dict[str, torch.nn.Module]:
+        """New dense modules holding ``dense``, frozen as the served ones are."""
+        live = self.model
+        shell = self.factory.build("cpu", tables_on_meta=True)
+        shell.load_state_dict(dict(dense), strict=False)
+        shell.sparse_arch = live.sparse_arch
+        device = next(iter(self.views.values())).device
+        for name in ("dense_arch", "inter_arch", "over_arch"):
+            getattr(shell, name).to(device)
+        shell.eval()
+        if any(isinstance(getattr(live, n), torch.jit.ScriptModule) for n in ("dense_arch", "over_arch")):
+            self.factory.freeze_dense(shell)
+        return {n: getattr(shell, n) for n in ("dense_arch", "inter_arch", "over_arch")}
+
+    def apply(self, p: Prepared) -> None:
+        """Write ``p`` under the lock: all of one delta or none of it, between two batches.
+
+        While batches are being served, the write is handed to the serving thread (``serving``
+        does it before its next forward, at the serving thread's priority: a low-priority watcher
+        holding the lock would stall the batches waiting for it); when idle, or if no batch comes
+        within HANDOVER_S, the watcher writes it itself."""
+        if self.unguarded_pause is not None:  # the test-only torn apply: no lock, a pause between tables
+            for view, ids, src in p.writes:
+                view.index_copy_(0, ids, src)
+                time.sleep(self.unguarded_pause)
+            self._swap(p)
+        else:
+            self._taken.clear()
+            with self.lock:
+                busy = time.monotonic() - self._last_served < 1.0
+                if not busy:
+                    self._apply_locked(p)
+                else:
+                    self._pending = p
+            if busy and not self._taken.wait(HANDOVER_S):
+                with self.lock:
+                    if self._pending is p:
+                        self._apply_locked(p)
+        self._write_state()
+
+    def _apply_locked(self, p: Prepared) -> None:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for view, ids, src in p.writes:
+                view.index_copy_(0, ids, src)
+        self._swap(p)
+        self._pending = None
+        self._locked_ms = (time.perf_counter() - t0) * 1000
+        self._taken.set()
+
+    def _swap(self, p: Prepared) -> None:
+        for name, part in p.dense_parts.items():
+            setattr(self.model, name, part)
+        self.applied = p.delta.sequence
+        self.applied_at = time.time()
+
+    def _write_state(self) -> None:
+        """<model dir>/delta-state/<pid>.json: this worker's sequence, for the OIP metadata."""
+        if self.state_file is None:
+            return
+        self.state_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(
+            json.dumps(
+                {
+                    "sequence": self.applied,
+                    "base": self.target.base,
+                    "pid": os.getpid(),
+                    "applied_at": self.applied_at,
+                    "locked_ms": round(self._locked_ms, 3),
+                    "rows_applied": self.rows_applied,
+                }
+            )
+        )
+        os.replace(tmp, self.state_file)
+
+    def _gauges(self, force: bool = False) -> None:
+        """The per-worker gauges, on every apply and at most every 5 s otherwise."""
+        now = time.monotonic()
+        if self.metrics is None or (not force and now - self._last_gauges < 5):
+            return
+        self._last_gauges = now
+        self._emit("dlrm_delta_sequence", self.applied, "count")
+        self._emit("dlrm_delta_lag_seconds", round(self.lag_seconds(), 3), "s")
+
+    def _emit(self, name: str, value: float, unit: str) -> None:
+        from ts.metrics.dimension import Dimension
+        from ts.metrics.metric_type_enum import MetricTypes
+
+        try:
+            self.metrics.add_metric(name, value, unit, None, [Dimension("Worker", str(os.getpid()))], MetricTypes.GAUGE)
+        except Exception as e:  # a metric must never stop a delta
+            logger.warning("metric %s: %s", name, e)
+
+    def _emit_counter(self, name: str, value: float, **dims: str) -> None:
+        if self.metrics is None:
+            return
+        from ts.metrics.dimension import Dimension
+
+        try:
+            self.metrics.add_counter(name, value, None, [Dimension(k, v) for k, v in dims.items()])
+        except Exception as e:
+            logger.warning("metric %s: %s", name, e)
+
+
+def target_for(
+    model: torch.nn.Module, config: Any, factory: Any, name: str, base: str, dense: str, sharded: bool
+) -> Target:
+    """The Target of a served model; ``dense`` is the handler's dense-half line ("fp32", ...)."""
+    tables = dict(zip(config.sparse_features, zip(config.num_embeddings, [config.embedding_dim] * config.num_features)))
+    from dlrmkit.scale import EBC
+
+    shapes = {
+        k: tuple(v.shape)
+        for k, v in factory.build("cpu", tables_on_meta=True).state_dict().items()
+        if not k.startswith(EBC)
+    }
+    refused = None
+    if config.dense_precision != "fp32" or not dense.startswith("fp32"):
+        refused = (
+            f"dense-parameter deltas need handler.dense_precision fp32; this worker's dense half is "
+            f"compiled ({dense}): roll out a new archive for new dense weights, or publish embedding rows only"
+        )
+    elif sharded:
+        refused = "dense-parameter deltas are not taken by a sharded (multi-GPU) worker"
+    return Target(name, base, tables, shapes, refused)
+
+
+def start_watcher(handler: Any, context: Any, dense: str, devices: list) -> DeltaApplier | None:
+    """What the handler calls after loading: None without handler.delta_dir; else every visible
+    delta applied (before the worker reports ready) and a watcher thread started."""
+    config = handler.config
+    if not config.delta_dir:
+        return None
+    from dlrmkit.errors import ConfigError
+    from dlrmkit.scale import _MAPPINGS
+
+    model_dir = Path(context.system_properties.get("model_dir") or ".")
+    if len(devices) > 1:
+        raise ConfigError("handler.delta_dir: live updates take an unsharded model (one device per worker)")
+    if _MAPPINGS:
+        raise ConfigError(
+            "handler.delta_dir: the tables are mapped read-only (larger than memory); "
+            "live updates write rows in place and need them writable"
+        )
+    base_file = model_dir / BASE_FILE
+    if base_file.is_file():
+        base = base_file.read_text().strip()
+    else:
+        serialized = (handler.manifest or {}).get("model", {}).get("serializedFile", "dlrm.pt")
+        base = base_version(model_dir / serialized)
+        logger.warning(
+            "the archive has no %s (built before live updates): its base %s computed from the weights", BASE_FILE, base
+        )
+    from dlrm_factory import DLRMFactory
+
+    factory = DLRMFactory(config)
+    target = target_for(handler.model, config, factory, handler.model_id[0], base, dense, len(devices) > 1)
+    applier = DeltaApplier(
+        handler.model,
+        config,
+        factory,
+        config.delta_dir,
+        target,
+        config.delta_poll_s,
+        getattr(context, "metrics", None),
+        model_dir,
+    )
+    started = time.perf_counter()
+    n = applier.catch_up()
+    logger.info(
+        "live updates from %s (base %s): %d delta(s) applied at start in %.1f s, now at sequence %d",
+        config.delta_dir,
+        base,
+        n,
+        time.perf_counter() - started,
+        applier.applied,
+    )
+    applier.start()
+    return applier
+
+
+def tag_responses(context: Any, n: int, sequence: int | None) -> None:
+    """X-Delta-Sequence on every response of a batch: the delta sequence its score was made under."""
+    if sequence is None:
+        return
+    for i in range(n):
+        context.set_response_header(i, "X-Delta-Sequence", str(sequence))

@@ -1,0 +1,249 @@
+"""Integration: live updates through a real TorchServe (two int8 workers following one delta
+directory): deltas applied in order on every worker, bad ones refused with the model unchanged and
+the workers alive, a killed worker restarted with every delta, the sequence in the OIP metadata,
+the response header and the metrics, and no torn score under load, checked by a checker that is
+shown to catch the torn scores of a deliberately unguarded apply."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+import zipfile
+
+import pytest
+import torch
+import yaml
+
+from conftest import TINY
+from dlrmkit.delta import UNGUARDED_ENV, delta_path, write_delta
+from helpers import DENSE, DeltaReferences, instance, wait_until
+from tsctl import Server, get, post
+
+pytestmark = pytest.mark.integration
+
+IDS = [1, 2, 3, 5, 8]  # rows every delta rewrites in every table; one probe request per id
+REQUESTS = [json.dumps(instance(DENSE, feature_0=[i], feature_1=[i], feature_2=[i])).encode() for i in IDS]
+
+
+def rows_delta(seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.tensor(IDS)
+    return {
+        t: (ids, torch.rand(len(IDS), TINY["embedding_dim"], generator=gen) * 2 - 1) for t in TINY["sparse_features"]
+    }
+
+
+def start(tmp, workers: int, dtype: str, env: dict | None = None):
+    import build_mar
+
+    handler = {**TINY, "embedding_dtype": dtype, "delta_dir": str(tmp / "deltas"), "delta_poll_s": 0.05}
+    config = tmp / "model-config.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "minWorkers": workers,
+                "maxWorkers": workers,
+                "batchSize": 8,
+                "maxBatchDelay": 2,
+                "responseTimeout": 60,
+                "handler": handler,
+            }
+        )
+    )
+    mar = build_mar.main(["--config", str(config), "--output-dir", str(tmp / "store"), "--force"])
+    with zipfile.ZipFile(mar) as z:
+        base = z.read("delta-base.txt").decode().strip()
+    srv = Server.on_free_ports(tmp / "home", model_store=tmp / "store")
+    saved = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        srv.start()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    srv.wait_ready("dlrm", REQUESTS[0], timeout=240)
+    srv.wait_workers_ready("dlrm", workers, timeout=240)
+    return srv, DeltaReferences(mar, handler, tmp / "deltas", REQUESTS), base
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    srv, refs, base = start(tmp_path_factory.mktemp("delta-live"), 2, "int8")
+    try:
+        yield srv, refs, base
+    finally:
+        srv.stop()
+
+
+def metadata(srv) -> dict:
+    status, body, _ = get(f"{srv.url}/v2/models/dlrm")
+    assert status == 200, body
+    return json.loads(body)
+
+
+def at(srv, seq: int, workers: int = 2) -> dict:
+    """Wait until ``workers`` workers report delta ``seq`` in the OIP metadata."""
+    return wait_until(
+        lambda: metadata(srv), lambda m: list(m.get("delta_sequences", {}).values()) == [seq] * workers, timeout=60
+    )
+
+
+def answers(srv) -> list[tuple[int, list[float]]]:
+    out = []
+    for body in REQUESTS:
+        status, reply, headers = post(f"{srv.url}/predictions/dlrm", body)
+        assert status == 200, reply
+        out.append((int({k.lower(): v for k, v in headers.items()}["x-delta-sequence"]), json.loads(reply)["scores"]))
+    return out
+
+
+def assert_serving(srv, refs, seq: int) -> None:
+    assert refs.follow() == seq
+    for i, (header, got) in enumerate(answers(srv)):
+        assert header == seq and seq in refs.sequences(i, got), (i, header, got, refs.scores[seq][i])
+
+
+def delta_metrics(srv) -> dict:
+    """dlrm_delta* samples of /metrics: {(name, (dimension=value, ...) without ModelName/Level/Hostname): value}."""
+    _, text, _ = get(f"{srv.metrics_url}/metrics")
+    out = {}
+    for line in text.decode().splitlines():
+        m = re.match(r"(dlrm_delta\w*)\{(.*)\} (\S+)$", line)
+        if m:
+            dims = tuple(
+                d
+                for d in re.findall(r'(\w+="[^"]*")', m.group(2))
+                if not d.startswith(("ModelName", "Level", "Hostname"))
+            )
+            out[(m.group(1), dims)] = float(m.group(3))
+    return out
+
+
+def test_every_worker_applies_the_deltas_in_order(live):
+    srv, refs, base = live
+    assert metadata(srv)["delta_sequences"] and set(metadata(srv)["delta_sequences"].values()) == {0}
+    assert_serving(srv, refs, 0)
+    write_delta(refs.applier.directory, "dlrm", base, 1, rows_delta(1))
+    write_delta(refs.applier.directory, "dlrm", base, 2, rows_delta(2))
+    assert at(srv, 2)["delta_sequence"] == 2
+    assert_serving(srv, refs, 2)
+    assert refs.scores[2] != refs.scores[0]  # the deltas move these scores
+    # A dense-parameter delta: every dense parameter, moved
+    dense = {
+        k: torch.randn(s, generator=torch.Generator().manual_seed(3)) * 0.2
+        for k, s in refs.applier.target.dense.items()
+    }
+    write_delta(refs.applier.directory, "dlrm", base, 3, rows_delta(3), dense)
+    at(srv, 3)
+    assert_serving(srv, refs, 3)
+
+
+def test_bad_deltas_are_refused_and_the_stream_resumes(live):
+    srv, refs, base = live
+    pids = srv.worker_pids("dlrm")
+    bad = rows_delta(4)
+    bad["feature_1"][1][0, 0] = float("nan")
+    before = delta_metrics(srv)
+    write_delta(refs.applier.directory, "dlrm", base, 4, bad)
+    write_delta(refs.applier.directory, "dlrm", base, 6, rows_delta(6))  # after a gap: waits for 4 and 5
+    key = ("dlrm_deltas_refused_total", ('Reason="nonfinite"',))
+    seen = wait_until(lambda: delta_metrics(srv), lambda m: m.get(key, 0) - before.get(key, 0) >= 2, timeout=60)
+    assert seen[key] - before.get(key, 0) == 2, seen  # once per worker, not once per poll
+    assert srv.worker_pids("dlrm") == pids  # alive
+    assert_serving(srv, refs, 3)  # unchanged: neither 4 nor the later 6
+    log = "".join(p.read_text(errors="replace") for p in srv.log_dir.glob("model_log*.log"))
+    assert "delta-00000004.safetensors REFUSED (nonfinite)" in log
+    write_delta(refs.applier.directory, "dlrm", base, 4, rows_delta(40))  # the good one, renamed over it
+    write_delta(refs.applier.directory, "dlrm", base, 5, rows_delta(5))
+    at(srv, 6)
+    assert_serving(srv, refs, 6)
+
+
+def test_a_restarted_worker_comes_up_with_every_delta(live):
+    srv, refs, base = live
+    old = srv.worker_pids("dlrm")
+    os.kill(old[0], signal.SIGKILL)
+    wait_until(lambda: srv.worker_pids("dlrm"), lambda p: old[0] not in p and len(p) == 2, timeout=120)
+    pids = srv.wait_workers_ready("dlrm", 2, timeout=240)
+    assert old[0] not in pids
+    meta = at(srv, 6)
+    assert sorted(map(int, meta["delta_sequences"])) == sorted(pids)
+    for _ in range(3):  # both workers answer (TorchServe spreads the requests)
+        assert_serving(srv, refs, 6)
+
+
+def test_metrics_show_each_workers_sequence(live):
+    srv, refs, base = live
+    pids = srv.wait_workers_ready("dlrm", 2)
+
+    def per_worker(m):
+        return {int(d[0][8:-1]): v for (n, d), v in m.items() if n == "dlrm_delta_sequence" and d}
+
+    m = wait_until(lambda: delta_metrics(srv), lambda m: all(per_worker(m).get(p) == 6 for p in pids), timeout=60)
+    assert all(per_worker(m)[p] == 6 for p in pids), m
+    assert m[("dlrm_delta_rows_total", ())] >= 6 * len(IDS) * 3 * 2  # every delta's rows on both workers
+    lag = {int(d[0][8:-1]): v for (n, d), v in m.items() if n == "dlrm_delta_lag_seconds"}
+    assert all(lag[p] == 0 for p in pids), lag
+
+
+def load_during_deltas(srv, refs, base, first: int, count: int, pause: float) -> list[tuple[int, int, list[float]]]:
+    """Four clients post the probe requests without pause while ``count`` deltas land; returns
+    (request index, X-Delta-Sequence, scores) of every answer."""
+    got, stop, errors = [], threading.Event(), []
+
+    def client(k):
+        i = k
+        while not stop.is_set():
+            status, reply, headers = post(f"{srv.url}/predictions/dlrm", REQUESTS[i % len(REQUESTS)])
+            if status != 200:
+                errors.append((status, reply))
+            else:
+                seq = int({h.lower(): v for h, v in headers.items()}["x-delta-sequence"])
+                got.append((i % len(REQUESTS), seq, json.loads(reply)["scores"]))
+            i += 1
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        for seq in range(first, first + count):
+            write_delta(refs.applier.directory, "dlrm", base, seq, rows_delta(seq))
+            time.sleep(pause)
+        at(srv, first + count - 1, workers=len(srv.worker_pids("dlrm")))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors, errors[:3]
+    assert refs.follow() == first + count - 1
+    return got
+
+
+def torn(refs, got) -> list:
+    """Answers equal to no reference of the sequence their header names."""
+    return [(i, seq, s) for i, seq, s in got if seq not in refs.sequences(i, s)]
+
+
+def test_no_torn_score_under_load(live):
+    srv, refs, base = live
+    got = load_during_deltas(srv, refs, base, 7, 8, 0.3)
+    assert len({seq for _, seq, _ in got}) >= 4, "the load did not span the deltas"
+    assert torn(refs, got) == []
+
+
+def test_the_torn_check_catches_an_unguarded_apply(tmp_path_factory):
+    """The same check against a server that applies without the lock, pausing between tables
+    (the test-only switch): it must find torn scores, or it proves nothing above."""
+    srv, refs, base = start(tmp_path_factory.mktemp("delta-torn"), 1, "fp32", {UNGUARDED_ENV: "0.3"})
+    try:
+        got = load_during_deltas(srv, refs, base, 1, 4, 0.8)
+        bad = torn(refs, got)
+        assert bad, f"no torn score among {len(got)} answers"
+        assert any(refs.sequences(i, s) == [] for i, _, s in bad)  # a mix of old and new rows: no reference
+        assert delta_path(refs.applier.directory, 4).is_file()
+    finally:
+        srv.stop()
