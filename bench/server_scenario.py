@@ -33,7 +33,9 @@ from common import HostForward, ROOT, build_archive, frontend_pid, load_served, 
 from common import write_report
 
 HOST_BATCH = 256
-VARIANTS = {"dlrmv2": ["fp32:handler.dense_precision=fp32", "bf16:", "int8:handler.dense_precision=int8"]}  # the default variants per config
+VARIANTS = {
+    "dlrmv2": ["fp32:handler.dense_precision=fp32", "bf16:", "int8:handler.dense_precision=int8"]
+}  # the default variants per config
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
