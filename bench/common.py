@@ -155,6 +155,42 @@ def v2_bodies(cfg, rng, rows: int) -> tuple[bytes, bytes, int]:
 # --- the model in this process -------------------------------------------------------------------
 
 
+def random_instance(rng: random.Random, features: list[str], rows: list[int], n_dense: int) -> dict:
+    """One random multi-hot instance: a random subset of the features, 0-4 ids each (soak, faults)."""
+    keys = rng.sample(range(len(features)), rng.randint(0, len(features)))
+    bags = {features[f]: [rng.randrange(rows[f]) for _ in range(rng.randint(0, 4))] for f in keys}
+    return {
+        "dense": [round(rng.uniform(-2, 2), 4) for _ in range(n_dense)],
+        "sparse": {
+            "keys": list(bags),
+            "values": [i for b in bags.values() for i in b],
+            "lengths": [len(b) for b in bags.values()],
+        },
+    }
+
+
+def expected_scores(config, weights: Path, bodies: list[bytes]) -> list[list[float]]:
+    """Each body scored alone in this process, through the handler's own core (parse -> collate
+    -> score) and the archive's weights: what a correct server must answer under any load."""
+    from dlrmkit.batch import collate, scores
+    from dlrmkit.forms import RequestParser
+    from dlrm_factory import DLRMFactory
+
+    model, parser = DLRMFactory(config).load(weights), RequestParser(config)
+    out = []
+    for body in bodies:
+        batch, errors = collate([parser.parse(body)], config)
+        if errors:
+            raise ValueError(f"not a good request: {errors[0]}")
+        out.append(scores(model, batch, config)[0])
+    return out
+
+
+def same_scores(got: list[float], expected: list[float]) -> bool:
+    """Equal to 1e-5: batching changes the order of float sums, never more."""
+    return len(got) == len(expected) and all(abs(a - b) <= 1e-5 for a, b in zip(got, expected))
+
+
 def timed_calls(fn, min_s: float, max_calls: int = 2000) -> list[float]:
     """Seconds of each call of ``fn`` over ``min_s`` (at most ``max_calls``), after 3 warm-up calls."""
     for _ in range(3):

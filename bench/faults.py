@@ -7,7 +7,7 @@
 One TorchServe on free loopback ports serves an archive built from model-config.yaml with a
 short responseTimeout (--response-timeout), so a hung worker is noticed within the run. Closed-loop
 clients (bench/loadgen.py) send single-row and 128-row requests; every 200 is checked against
-scores computed in this process from the archive's weights (soak.expected_scores). Scenarios, in
+scores computed in this process from the archive's weights (common.expected_scores). Scenarios, in
 order: baseline, worker killed (SIGKILL), worker hung (SIGSTOP), server restarted, rollout,
 overload, slow and broken clients, archive faults, logs on a full / read-only disk. Each row
 lists its checks; a failed check makes the exit status 1. Every loop is bounded by time.
@@ -37,7 +37,7 @@ import yaml
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent / "scripts")]
 from load import LoadResult, percentile, run_load  # noqa: E402
-from soak import expected_scores, instance, same_scores  # noqa: E402
+from common import expected_scores, random_instance, same_scores  # noqa: E402
 from tsctl import ROOT, Server  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
@@ -78,7 +78,7 @@ class Bench:
         features, rows, n_dense = list(self.cfg.sparse_features), list(self.cfg.num_embeddings), self.cfg.num_dense_features
         self.pool = []
         for k in range(args.pool):
-            insts = [instance(rng, features, rows, n_dense) for _ in range(ROWS[k % 2])]
+            insts = [random_instance(rng, features, rows, n_dense) for _ in range(ROWS[k % 2])]
             self.pool.append(json.dumps(insts[0] if len(insts) == 1 else {"instances": insts}).encode())
         say(f"scoring {len(self.pool)} requests in this process (the expected answers)")
         self.expected = expected_scores(self.cfg, tmp / "dlrm.pt", self.pool)

@@ -21,53 +21,22 @@ import tempfile
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent / "scripts")]
+from common import random_instance, same_scores  # noqa: E402
 from load import run_load  # noqa: E402
 from tsctl import ROOT, Server, post, worker_pids  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 
 
-def instance(rng: random.Random, features: list[str], rows: list[int], n_dense: int) -> dict:
-    keys = rng.sample(range(len(features)), rng.randint(0, len(features)))
-    bags = {features[f]: [rng.randrange(rows[f]) for _ in range(rng.randint(0, 4))] for f in keys}
-    return {
-        "dense": [round(rng.uniform(-2, 2), 4) for _ in range(n_dense)],
-        "sparse": {"keys": list(bags), "values": [i for b in bags.values() for i in b],
-                   "lengths": [len(b) for b in bags.values()]},
-    }
-
-
 def good_requests(rng, n, features, rows, n_dense) -> list[bytes]:
     out = []
     for _ in range(n):
         if rng.random() < 0.6:
-            out.append(json.dumps(instance(rng, features, rows, n_dense)).encode())
+            out.append(json.dumps(random_instance(rng, features, rows, n_dense)).encode())
         else:
-            insts = [instance(rng, features, rows, n_dense) for _ in range(rng.randint(2, 16))]
+            insts = [random_instance(rng, features, rows, n_dense) for _ in range(rng.randint(2, 16))]
             out.append(json.dumps({"instances": insts}).encode())
     return out
-
-
-def expected_scores(config, weights: Path, bodies: list[bytes]) -> list[list[float]]:
-    """Each body scored alone in this process, through the handler's own core (parse -> collate
-    -> score) and the archive's weights: what a correct server must answer under any load."""
-    from dlrmkit.batch import collate, scores
-    from dlrmkit.forms import RequestParser
-    from dlrm_factory import DLRMFactory
-
-    model, parser = DLRMFactory(config).load(weights), RequestParser(config)
-    out = []
-    for body in bodies:
-        batch, errors = collate([parser.parse(body)], config)
-        if errors:
-            raise ValueError(f"not a good request: {errors[0]}")
-        out.append(scores(model, batch, config)[0])
-    return out
-
-
-def same_scores(got: list[float], expected: list[float]) -> bool:
-    """Equal to 1e-5: batching changes the order of float sums, never more."""
-    return len(got) == len(expected) and all(abs(a - b) <= 1e-5 for a, b in zip(got, expected))
 
 
 def bad_requests(features, rows, n_dense) -> list[tuple[bytes, int]]:
