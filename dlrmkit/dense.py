@@ -10,8 +10,8 @@
 - ``int8``: PT2E quantization with torchao's ``X86InductorQuantizer`` (int8 weights per channel,
   uint8 activations), compiled by Inductor with freezing into oneDNN's fused int8 linears (AMX or
   VNNI). Static activation scales when the archive carries calibration inputs
-  (``dense-calibration.pt``, written by ``scripts/build_mar.py --calibrate`` from requests that look
-  like traffic; ``--verify``'s file by default), else dynamic ones computed per batch.
+  (``dense-calibration.pt``, written by ``scripts/build_mar.py --calibrate`` from a sample of the
+  training data, never the rows ``--verify`` judges), else dynamic ones computed per batch.
 
 Reduced precision ships under MLPerf's accuracy contract: served AUC >= 99.9% of the fp32 AUC,
 checked by ``build_mar.py --verify`` (``contract``). The compiled code is made on the serving CPU
@@ -241,7 +241,7 @@ def _compile(model, config, precision, calibration, warm_rows) -> tuple[nn.Modul
             f"{calibration['dense'].shape[0]} rows of the archive's {CALIBRATION_FILE})"
             if calibration is not None
             else "int8 dynamic (PT2E X86InductorQuantizer, activation scales per batch: the archive has no "
-            f"{CALIBRATION_FILE}; build it with --calibrate or --verify for static scales)"
+            f"{CALIBRATION_FILE}; build it with --calibrate for static scales)"
         )
     else:
         half = _Autocast(half)

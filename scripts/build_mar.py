@@ -75,8 +75,9 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--calibrate", metavar="FILE.jsonl",
                     help="handler.dense_precision int8: requests like the traffic (JSON lines of /predictions "
                     "bodies, or a --verify file) whose dense-half inputs the archive carries for int8's static "
-                    "activation scales (at most 512 rows); default: the --verify file; neither: int8 computes "
-                    "its activation scales per batch (dynamic)")
+                    "activation scales (at most 512 rows): a sample of the training data, as scripts/train.py writes "
+                    "calibration.jsonl, never the --verify file (the contract would be judged on the rows the "
+                    "scales were fitted to); without it int8 computes its activation scales per batch (dynamic)")
     ap.add_argument("--verify-tolerance", type=float, default=1e-5, metavar="T",
                     help="largest |served - trainer| score --verify accepts (default: %(default)s)")
     ap.add_argument("--auc-ratio", type=float, default=0.999, metavar="R",
@@ -131,6 +132,10 @@ def main(argv: list[str] | None = None) -> Path:
     if mar.exists() and not args.force:
         sys.exit(f"error: {mar} exists; pass --force to overwrite it")
     try:
+        if args.calibrate and args.verify and Path(args.calibrate).resolve() == Path(args.verify).resolve():
+            sys.exit(f"error: --calibrate {args.calibrate} is the --verify file: the contract would be judged on the "
+                     "rows the int8 scales were fitted to; calibrate on a sample of the training data "
+                     "(scripts/train.py writes calibration.jsonl); no archive written")
         config = DLRMConfig.from_yaml(args.config)
         if args.verify and (cannot := dense.unsupported(config.dense_precision, dense.cpu_flags())):
             # The verify child would serve the fp32 fallback and prove nothing about the precision
@@ -155,7 +160,7 @@ def main(argv: list[str] | None = None) -> Path:
                 print(f"[build] quantizing the tables to {config.embedding_dtype} (torchrec quantize_inference_model)",
                       flush=True)
             extra = [str(metadata := Path(tmp) / METADATA_FILE)]
-            calibrate = args.calibrate or args.verify
+            calibrate = args.calibrate
             if config.dense_precision == "int8" and calibrate:
                 calibration = Path(tmp) / CALIBRATION_FILE
                 torch.save(calibration_inputs(calibrate, model, config), calibration)
@@ -163,8 +168,8 @@ def main(argv: list[str] | None = None) -> Path:
                 print(f"[build] int8 dense half: static activation scales from {calibrate} ({CALIBRATION_FILE})",
                       flush=True)
             elif config.dense_precision == "int8":
-                print("[build] int8 dense half without --calibrate or --verify: activation scales per batch "
-                      "(dynamic int8)", flush=True)
+                print("[build] int8 dense half without --calibrate: activation scales per batch (dynamic int8)",
+                      flush=True)
             if config.dense_precision != "fp32" and not args.verify:
                 print(f"[build] warning: dense_precision {config.dense_precision} without --verify: the accuracy "
                       "contract (AUC >= 99.9% of fp32) is not checked for this archive", flush=True)

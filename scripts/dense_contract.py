@@ -6,7 +6,7 @@
 scripts/train.py trains each model (synthetic clicks with a learnable signal); its held-out rows
 (verify.jsonl, parsed and collated as the handler does) are scored by the served fp32 model (the
 archive's fused tables, as a worker loads them) and by its dense half at bf16, int8 static
-(calibrated on the verify file, as ``build_mar.py --verify`` does by default, or on 512 training
+(calibrated on the verify file itself, the optimistic reading build_mar.py refuses, or on 512 training
 rows) and int8 dynamic (no calibration): dlrmkit.dense.contract, AUC >= 99.9% of fp32 with the max
 and p99 |delta probability|. A precision this CPU has no instructions for would be served as fp32
 (dlrmkit.dense.unsupported); it is compiled anyway here ("forced"): what the rule guards against.
@@ -40,7 +40,7 @@ MODELS = {
 # (precision, where int8's static activation scales come from)
 PRECISIONS = (
     ("bf16", "-"),
-    ("int8", "the verify file (build_mar.py's default)"),
+    ("int8", "the verify file itself (optimistic: build_mar.py refuses it)"),
     ("int8", "512 training rows"),
     ("int8", "none: dynamic, scales per batch"),
 )

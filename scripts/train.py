@@ -15,7 +15,9 @@ in ``DistributedModelParallel`` over ``--world-size`` CPU processes (gloo). ``--
   computed here, in eval mode, through the same DMP model: what a server of this checkpoint must
   answer;
 - ``verify.jsonl``: the same rows as ``build_mar.py --verify`` reads them, one ``instances``
-  request of up to 100 rows a line with the trainer's scores and labels.
+  request of up to 100 rows a line with the trainer's scores and labels;
+- ``calibration.jsonl``: the last 512 training rows as ``instances`` requests, for
+  ``build_mar.py --calibrate`` (int8's static activation scales, fitted on rows --verify never judges).
 
 Live updates (docs/live-updates.md): ``--resume DIR`` continues from a previous ``--out``'s
 checkpoint (the one an archive was built from), and ``--publish-dir D --publish-every N
@@ -45,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the kit's modules: the Criteo transform and the AUC the build's --verify prints
 
 from dlrmkit.checkpoint import auc  # noqa: E402
+from dlrmkit.dense import CALIBRATION_ROWS  # noqa: E402  (the rows --calibrate keeps)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -252,8 +255,17 @@ def worker(rank: int, args, port: int) -> None:
         (out / "verify.jsonl").write_text("".join(
             json.dumps({"request": {"instances": rows[i:i + 100]}, "scores": doc["scores"][i:i + 100],
                         "labels": doc["labels"][i:i + 100]}) + "\n" for i in range(0, len(rows), 100)))
+        # The last training rows as /predictions bodies: build_mar.py --calibrate's sample for int8's
+        # static scales, disjoint from the held-out rows --verify judges the contract on.
+        lo = max(0, train_rows - CALIBRATION_ROWS)
+        sample = data.batch(lo, train_rows, sparse_names)
+        calib = [{"dense": d, "sparse": {"keys": sparse_names, "values": i, "lengths": [1] * len(i)}}
+                 for d, i in zip(sample.dense_features.tolist(), data.ids[lo:train_rows].tolist())]
+        (out / "calibration.jsonl").write_text("".join(
+            json.dumps({"instances": calib[i:i + 128]}) + "\n" for i in range(0, len(calib), 128)))
         log(f"held-out AUC {doc['auc']:.4f} on {len(rows)} rows; saved {out / 'checkpoint'} "
-            f"(DCP, {args.world_size} rank(s)), {out / 'heldout.json'} and {out / 'verify.jsonl'}")
+            f"(DCP, {args.world_size} rank(s)), {out / 'heldout.json'}, {out / 'verify.jsonl'} and "
+            f"{out / 'calibration.jsonl'} ({len(calib)} training rows)")
     dist.destroy_process_group()
 
 

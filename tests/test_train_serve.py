@@ -167,9 +167,10 @@ def test_every_variant_imports_to_the_trained_models_scores(tmp_path, interactio
 
 
 def test_an_int8_dense_half_is_built_under_the_accuracy_contract_and_served(trained, tmp_path, capsys):
-    """The trained DCN with handler.dense_precision int8: --verify calibrates static scales from
-    its file, checks MLPerf's AUC rule and refuses the archive under a contract it breaks; a real
-    TorchServe serves the archive within the contract, its workers saying what runs."""
+    """The trained DCN with handler.dense_precision int8: static scales from the trainer's
+    calibration.jsonl (training rows, never the verify file); --verify checks MLPerf's AUC rule
+    and refuses an archive under a contract it breaks; a real TorchServe serves the archive
+    within the contract, its workers saying what runs."""
     from dlrmkit import dense
 
     config = tmp_path / "int8.yaml"
@@ -194,11 +195,14 @@ def test_an_int8_dense_half_is_built_under_the_accuracy_contract_and_served(trai
                                              "has no amx_int8 or avx512_vnni or avx_vnni"), refused.value.code
     capsys.readouterr()
     store = tmp_path / "store"
+    # Calibrating on the rows the contract is judged on would flatter it: refused.
+    with pytest.raises(SystemExit, match="is the --verify file: the contract would be judged on the rows"):
+        build_mar.main([*build, "--calibrate", str(trained / "verify.jsonl"), "--output-dir", str(store)])
     # Without the instructions the archive is built unverified (the build says so) and served as fp32.
-    mar = build_mar.main([*(build if native else build[:-2]), "--calibrate", str(trained / "verify.jsonl"),
+    mar = build_mar.main([*(build if native else build[:-2]), "--calibrate", str(trained / "calibration.jsonl"),
                           "--output-dir", str(store)])
     printed = capsys.readouterr().out
-    assert f"[build] int8 dense half: static activation scales from {trained / 'verify.jsonl'}" in printed
+    assert f"[build] int8 dense half: static activation scales from {trained / 'calibration.jsonl'}" in printed
     if native:
         line = next(x for x in printed.splitlines() if x.startswith("[verify] dense_precision int8: AUC ratio "))
         assert "(contract >= 0.999: holds)" in line, line
