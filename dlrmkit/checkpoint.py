@@ -445,13 +445,7 @@ def read_verify_file(path: str | Path) -> list[dict]:
     """``--verify FILE``: JSON lines ``{"request": <a /predictions JSON body>, "scores": [...],
     "labels": [...]}`` (labels optional), one trainer score per row of the request."""
     lines = []
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise ConfigError(f"--verify {path}: {e.strerror}") from None
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
+    for n, line in _json_lines(path, "--verify"):
         where = f"--verify {path}, line {n}"
         try:
             doc = json.loads(line)
@@ -551,13 +545,7 @@ def calibration_inputs(path: str | Path, model: torch.nn.Module, config: DLRMCon
     from dlrmkit.forms import RequestParser
 
     parser, batches = RequestParser(config), []
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise ConfigError(f"--calibrate {path}: {e.strerror}") from None
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
+    for n, line in _json_lines(path, "--calibrate"):
         try:
             doc = json.loads(line)
             body = doc["request"] if isinstance(doc, dict) and isinstance(doc.get("request"), dict) else doc
@@ -572,6 +560,16 @@ def calibration_inputs(path: str | Path, model: torch.nn.Module, config: DLRMCon
     if not batches:
         raise ConfigError(f"--calibrate {path}: no requests in the file")
     return dense.calibration_inputs(model, batches)
+
+
+def _json_lines(path: str | Path, option: str) -> list[tuple[int, str]]:
+    """The non-blank lines of ``path`` with their 1-based numbers; a file that cannot be read is a
+    ConfigError naming ``option``."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"{option} {path}: {e.strerror}") from None
+    return [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
 
 
 def auc(scores, labels) -> float:
