@@ -170,18 +170,11 @@ class DLRMConfig:
         for key, example in (("max_instances_per_request", "4096"), ("max_ids_per_request", "65536")):
             if key in raw:
                 values[key] = _positive_int(raw[key], key, example)
-        if "torch_threads" in raw and (isinstance(raw["torch_threads"], bool) or not isinstance(raw["torch_threads"], int)
-                                       or raw["torch_threads"] < 0):
-            raise ConfigError(
-                f"handler.torch_threads: expected 0 (auto) or a positive integer, got {raw['torch_threads']!r} "
-                "(e.g. torch_threads: 0)"
-            )
-        if "large_batch_rows" in raw and (isinstance(raw["large_batch_rows"], bool)
-                                          or not isinstance(raw["large_batch_rows"], int) or raw["large_batch_rows"] < 0):
-            raise ConfigError(
-                f"handler.large_batch_rows: expected 0 (never) or a positive number of rows, got "
-                f"{raw['large_batch_rows']!r} (e.g. large_batch_rows: 256)"
-            )
+        for key, expected, example in (("torch_threads", "0 (auto) or a positive integer", "0"),
+                                       ("large_batch_rows", "0 (never) or a positive number of rows", "256")):
+            value = raw.get(key, 0)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"handler.{key}: expected {expected}, got {value!r} (e.g. {key}: {example})")
         if "table_names" in raw:
             values["table_names"] = _table_names(raw["table_names"], names)
         values.update(_raw_input(raw, len(names)))

@@ -224,6 +224,11 @@ def compile_dense(
             return _compile(model, config, precision, calibration, warm_rows)
         except Exception as e:  # a worker without a C++ compiler, an export the version cannot do
             reason = f"compiling failed ({type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e) else ''})"
+    return _fall_back(model, precision, reason)
+
+
+def _fall_back(model: nn.Module, precision: str, reason: str) -> tuple[nn.Module, str]:
+    """``model`` as it is (fp32), with the warning and the line saying so."""
     logger.warning("dense_precision %s: FALLING BACK to fp32: %s", precision, reason)
     return model, f"fp32 (FALLING BACK from {precision}: {reason})"
 
@@ -270,9 +275,9 @@ def prepare(model: nn.Module, config, model_dir: str | Path, devices: list) -> t
     if precision == "fp32":
         return model, "fp32"
     if len(devices) != 1 or devices[0].type != "cpu":
-        reason = "the compiled dense half is for CPU workers (on a GPU the dense half runs fp32)"
-        logger.warning("dense_precision %s: FALLING BACK to fp32: %s", precision, reason)
-        return model, f"fp32 (FALLING BACK from {precision}: {reason})"
+        return _fall_back(
+            model, precision, "the compiled dense half is for CPU workers (on a GPU the dense half runs fp32)"
+        )
     calibration = read_calibration(model_dir) if precision == "int8" else None
     return compile_dense(model, config, precision, calibration)
 

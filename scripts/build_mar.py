@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> Path:
                     "a worker loads it; differences over --verify-tolerance fail the build and leave no archive")
     ap.add_argument("--calibrate", metavar="FILE.jsonl",
                     help="handler.dense_precision int8: requests like the traffic (JSON lines of /predictions "
-                    "bodies, or a --verify file) whose dense-half inputs the archive carries for int8's static "
+                    "bodies, or of {\"request\": body} lines as a --verify file has) whose dense-half inputs the archive carries for int8's static "
                     "activation scales (at most 512 rows): a sample of the training data, as scripts/train.py writes "
                     "calibration.jsonl, never the --verify file (the contract would be judged on the rows the "
                     "scales were fitted to); without it int8 computes its activation scales per batch (dynamic)")
@@ -160,12 +160,11 @@ def main(argv: list[str] | None = None) -> Path:
                 print(f"[build] quantizing the tables to {config.embedding_dtype} (torchrec quantize_inference_model)",
                       flush=True)
             extra = [str(metadata := Path(tmp) / METADATA_FILE)]
-            calibrate = args.calibrate
-            if config.dense_precision == "int8" and calibrate:
+            if config.dense_precision == "int8" and args.calibrate:
                 calibration = Path(tmp) / CALIBRATION_FILE
-                torch.save(calibration_inputs(calibrate, model, config), calibration)
+                torch.save(calibration_inputs(args.calibrate, model, config), calibration)
                 extra.append(str(calibration))
-                print(f"[build] int8 dense half: static activation scales from {calibrate} ({CALIBRATION_FILE})",
+                print(f"[build] int8 dense half: static activation scales from {args.calibrate} ({CALIBRATION_FILE})",
                       flush=True)
             elif config.dense_precision == "int8":
                 print("[build] int8 dense half without --calibrate: activation scales per batch (dynamic int8)",
