@@ -15,11 +15,12 @@ tensors.
 ``DeltaApplier`` is the serving side (TorchServe-free): ``catch_up`` applies every visible delta
 in sequence, ``start`` keeps polling in a thread. Each delta is read, validated and converted to
 the tables' dtype exactly as the archive build converts them (``fused_rows``: torchrec's quantizer
-for fp16/int8/int4, row-wise, so a row's bytes do not depend on its neighbours) *outside* the
-lock; only the in-place writes happen under ``lock``, which the handler holds for each whole
-batch's forward (``serving``): every request is scored entirely before or entirely after a delta.
-Writes go to the worker's memory-mapped table pages, which become private to that worker (the
-archive file is never written): see docs/live-updates.md.
+for fp16/int8/int4, row-wise, so a row's bytes do not depend on its neighbours). CPU tables are
+``SharedTables``: two sides mapped shared by every worker of the machine, written by one writer
+only into the side no worker reads; a worker flips to the newer side under ``lock``, which the
+handler holds for each whole batch's forward (``serving``): every request is scored entirely
+before or entirely after a delta. Without a model directory (tests' references) or on a GPU, the
+applier writes its own tables in place under the same lock. See docs/live-updates.md.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ DENSE = "dense."
 # Test only: apply without the lock, pausing this many seconds between tables, so that a test can
 # prove its torn-score check catches a torn apply (tests/test_delta_server.py). Never set in serving.
 UNGUARDED_ENV = "DLRM_DELTA_TEST_UNGUARDED_PAUSE_S"
+WRITER_NICE = 10  # the shared tables' writer thread: below the serving threads (DeltaApplier._run_writer)
 HANDOVER_S = 0.1  # how long a prepared delta waits for the next batch to write it (DeltaApplier.apply)
 REASONS = (
     "format",
@@ -318,13 +320,187 @@ def fused_rows(rows: Mapping[str, torch.Tensor], dtype: str) -> dict[str, torch.
     return {k[len(prefix) : -len(".weight")]: v for k, v in out.items() if k.startswith(prefix)}
 
 
+Write = tuple[str, torch.Tensor, torch.Tensor]  # (table, ids, fused rows as wide as the table's rows)
+
+
 @dataclass
 class Prepared:
-    """A validated delta, converted: what ``apply`` writes under the lock."""
+    """What ``apply`` does under the lock: write a converted delta into this worker's own tables
+    (``side`` None), or flip to shared side ``side``, which holds ``sequence``."""
 
-    delta: Delta
-    writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (table view, ids, fused rows)
+    delta: Delta | None
+    writes: list[Write]
     dense_parts: dict[str, torch.nn.Module]
+    side: int | None = None
+    sequence: int = 0
+
+
+def _write(view: torch.Tensor, ids: torch.Tensor, src: torch.Tensor) -> None:
+    if view.shape[1] % 8 == 0 and view.data_ptr() % 8 == 0:  # rows are 8-byte aligned: copy
+        view, src = view.view(torch.int64), src.view(torch.int64)  # 8 bytes at a time (~2x)
+    view.index_copy_(0, ids.to(view.device), src.to(view.device))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+class SharedTables:
+    """A model's CPU tables as two files, sides 0 and 1, that every worker on the machine maps
+    shared: deltas keep one machine-wide copy per side instead of making each worker's written
+    pages private.
+
+    Only the **writer** (whichever worker holds ``writer.lock``, an flock the kernel drops when it
+    dies) writes, and only into the side no worker reads: it brings that side up to the active
+    one, writes the next deltas, then makes it the active side in ``tables.meta``. Each worker
+    flips to the active side between two batches (a pointer swap under its batch lock) and then
+    records the side it reads in its state file; the writer touches a side again only once no live
+    worker records it. A worker joins by recording the active side and reading ``tables.meta``
+    again: it serves that side only once the side was still active after it was recorded.
+
+        sides:   0: seq 4 (active, read by workers 11 and 12)   1: seq 3 (free)
+        writer:  1 <- deltas 4 and 5; tables.meta: active 1 (seq 5)
+        workers: flip to 1 one by one; once neither records 0, side 0 is free for delta 6
+    """
+
+    META = "tables.meta"
+    LOCK = "writer.lock"
+
+    def __init__(self, qebc: torch.nn.Module, directory: str | Path, base: str):
+        self.tbes = list(qebc._emb_modules)  # type: ignore[union-attr,arg-type]
+        self.dir, self.base = Path(directory), base
+        self.dir.mkdir(parents=True, exist_ok=True)
+        # table -> (kernel, byte offset in its weight buffer, (rows, row bytes), row stride)
+        self.layout: dict[str, tuple[int, int, tuple[int, int], int]] = {}
+        for i, (tables, tbe) in enumerate(zip(qebc._key_to_tables.values(), self.tbes)):  # type: ignore
+            start = tbe.weights_host.data_ptr()
+            for cfg, (rows, _, _) in zip(tables, tbe.split_embedding_weights_with_scale_bias(split_scale_bias_mode=0)):
+                self.layout[cfg.name] = (i, rows.data_ptr() - start, tuple(rows.shape), rows.stride(0))
+        self.initial = [tbe.weights_host for tbe in self.tbes]  # the archive's mapping, until the first flip
+        self._maps: dict[int, list[tuple[Any, torch.Tensor]]] = {}
+        self._fd: int | None = None
+        self.is_writer = False
+
+    @staticmethod
+    def usable(qebc: torch.nn.Module) -> bool:
+        """Tables in host memory (not on a GPU): the kernels read ``weights_host``."""
+        return all(getattr(t, "host_size", 0) > 0 for t in qebc._emb_modules)  # type: ignore[union-attr]
+
+    def path(self, i: int, side: int) -> Path:
+        return self.dir / f"tables-{self.base}-{i}-{side}.bin"
+
+    def buffers(self, side: int) -> list[torch.Tensor]:
+        import mmap
+        import warnings
+
+        if side not in self._maps:
+            maps = []
+            for i, tbe in enumerate(self.tbes):
+                with open(self.path(i, side), "r+b") as f:
+                    m = mmap.mmap(f.fileno(), tbe.host_size)  # MAP_SHARED: every worker's view of one page cache
+                m.madvise(mmap.MADV_RANDOM)  # lookups are random: no read-ahead of rows nobody asked for
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)
+                    maps.append((m, torch.frombuffer(m, dtype=torch.uint8)))
+            self._maps[side] = maps
+        return [t for _, t in self._maps[side]]
+
+    def views(self, side: int) -> dict[str, torch.Tensor]:
+        bufs = self.buffers(side)
+        return {t: bufs[i].as_strided(shape, (stride, 1), off) for t, (i, off, shape, stride) in self.layout.items()}
+
+    def meta(self) -> dict | None:
+        try:
+            m = json.loads((self.dir / self.META).read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        return m if m.get("base") == self.base else None
+
+    def set_meta(self, **changes: Any) -> None:
+        m = {**(self.meta() or {"base": self.base}), **changes}
+        tmp = self.dir / f".{self.META}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(m))
+        os.replace(tmp, self.dir / self.META)
+
+    def take_writer(self) -> bool:
+        """Hold (or take over) the writer's flock; True while this worker is the writer."""
+        import fcntl
+
+        if not self.is_writer:
+            if self._fd is None:
+                self._fd = os.open(self.dir / self.LOCK, os.O_CREAT | os.O_RDWR, 0o644)
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self.is_writer = True
+            except BlockingIOError:
+                return False
+        return True
+
+    def create(self) -> None:
+        """The writer, on a fresh model directory: both sides from this worker's loaded tables."""
+        m = self.meta()
+        if m is not None and all(
+            self.path(i, s).is_file() and self.path(i, s).stat().st_size == t.host_size
+            for i, t in enumerate(self.tbes)
+            for s in (0, 1)
+        ):
+            return
+        need = 2 * sum(t.host_size for t in self.tbes)
+        st = os.statvfs(self.dir)
+        if st.f_bavail * st.f_frsize < need + (64 << 20):
+            from dlrmkit.errors import ConfigError
+
+            raise ConfigError(
+                f"handler.delta_dir: live updates keep two shared copies of the tables ({need / 2**30:.2f} GiB) in "
+                f"{self.dir}, which has {st.f_bavail * st.f_frsize / 2**30:.2f} GiB free"
+            )
+        started = time.perf_counter()
+        for side in (0, 1):
+            for i, tbe in enumerate(self.tbes):
+                with open(self.path(i, side), "wb") as f:
+                    f.truncate(tbe.host_size)
+                self._copy(self.initial[i], self.buffers(side)[i])
+        self.set_meta(active=0, seq=[0, 0], checked=time.time())
+        logger.info(
+            "live updates: the tables shared as 2 x %.1f MiB in %s (%.1f s)",
+            need / 2 / 2**20,
+            self.dir,
+            time.perf_counter() - started,
+        )
+
+    @staticmethod
+    def _copy(src: torch.Tensor, dst: torch.Tensor, chunk: int = 1 << 28) -> None:
+        for a in range(0, src.numel(), chunk):  # in pieces: tables larger than memory stream through
+            dst[a : a + chunk].copy_(src[a : a + chunk])
+
+    def copy_side(self, src: int, dst: int) -> None:
+        for a, b in zip(self.buffers(src), self.buffers(dst)):
+            self._copy(a, b)
+
+    def flip(self, side: int) -> None:
+        for tbe, buf in zip(self.tbes, self.buffers(side)):
+            tbe.weights_host = buf
+
+    def readers(self) -> set[int]:
+        """The sides the live workers record in their state files."""
+        sides = set()
+        for f in self.dir.glob("*.json"):
+            try:
+                state = json.loads(f.read_text())
+            except (OSError, ValueError):  # being replaced right now: read it again
+                try:
+                    state = json.loads(f.read_text())
+                except (OSError, ValueError):
+                    continue
+            if state.get("buffer") is not None and _alive(int(state.get("pid", 0))):
+                sides.add(int(state["buffer"]))
+        return sides
 
 
 class DeltaApplier:
@@ -333,7 +509,12 @@ class DeltaApplier:
     ``model``: the served DLRM (or dlrmkit.dense.ServedDLRM), unsharded, tables in fbgemm's fused
     kernel. ``factory``: a DLRMFactory, to rebuild the dense half for dense deltas. ``metrics``:
     TorchServe's context.metrics (its lines go out at once, from any thread), or None.
+    ``state_dir``: the model directory, where each worker records what it serves; with it, CPU
+    tables are shared by the workers (``SharedTables``), without it (or on a GPU) each applier
+    writes its own tables in place.
     """
+
+    JOIN_WAIT_S = 120.0  # how long a starting worker waits for the writer to catch up
 
     def __init__(
         self,
@@ -345,6 +526,7 @@ class DeltaApplier:
         poll_s: float = 0.5,
         metrics: Any = None,
         state_dir: str | Path | None = None,
+        worker: str | None = None,
     ):
         from dlrmkit.scale import fused_tables
 
@@ -356,10 +538,21 @@ class DeltaApplier:
         self.applied = 0
         self.rows_applied = 0
         self.refused: dict[int, tuple[tuple[int, int], str]] = {}  # sequence -> (file stat, reason)
-        self.state_file = Path(state_dir) / STATE_DIR / f"{os.getpid()}.json" if state_dir else None
+        self.model_dir = Path(state_dir) if state_dir else Path(".")  # the archive's files (calibration)
+        self.state_file = Path(state_dir) / STATE_DIR / f"{worker or os.getpid()}.json" if state_dir else None
+        self.shared = (
+            SharedTables(qebc, Path(state_dir) / STATE_DIR, target.base)
+            if (state_dir and SharedTables.usable(qebc))
+            else None
+        )
+        self.side: int | None = None  # the shared side this worker reads (None: its own tables)
+        self._cache: dict[int, list[Write]] = {}  # the writer's converted deltas, for the other side
+        self._started = time.time()
+        self._joined = False
         self._gap_logged = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._writer: threading.Thread | None = None  # shared tables: the writer's thread (start)
         self._last_gauges = 0.0
         self._locked_ms = 0.0
         self._pending: Prepared | None = None  # prepared, to be written by the next batch (apply)
@@ -377,7 +570,8 @@ class DeltaApplier:
     @contextlib.contextmanager
     def serving(self) -> Iterator[int]:
         """Hold for one whole batch's forward: yields the delta sequence it is scored under. A
-        delta the watcher has prepared is written first, here, on the serving thread (see ``apply``)."""
+        delta the watcher has prepared is written (or flipped to) first, here, on the serving
+        thread (see ``apply``)."""
         with self.lock:
             self._last_served = time.monotonic()
             if self._pending is not None:
@@ -386,19 +580,23 @@ class DeltaApplier:
 
     def catch_up(self) -> int:
         """Apply every delta that is visible and next in sequence; returns how many."""
-        n = 0
+        before = self.applied
         while self.poll_once():
-            n += 1
-        return n
+            pass
+        return self.applied - before
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="dlrm-delta-watcher", daemon=True)
         self._thread.start()
+        if self.shared is not None:
+            self._writer = threading.Thread(target=self._run_writer, name="dlrm-delta-writer", daemon=True)
+            self._writer.start()
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread:
-            self._thread.join(timeout=10)
+        for t in (self._thread, self._writer):
+            if t:
+                t.join(timeout=10)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -407,6 +605,23 @@ class DeltaApplier:
                 self._gauges()
             except Exception:  # never let the watcher die: log, wait, retry
                 logger.exception("delta watcher: unexpected error (retrying in %.1f s)", self.poll_s)
+            self._stop.wait(self.poll_s)
+
+    def _run_writer(self) -> None:
+        """Shared tables: reading, converting and writing deltas in a thread of its own at a lower
+        priority, so that the batches of this worker and the others come first (it takes no lock
+        a batch needs; measured: results/deltas.md)."""
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        except OSError as e:
+            logger.warning("delta writer: cannot lower its priority (%s)", e)
+        assert self.shared is not None
+        while not self._stop.is_set():
+            try:
+                while self.shared.take_writer() and self._write_round() and not self._stop.is_set():
+                    pass
+            except Exception:
+                logger.exception("delta writer: unexpected error (retrying in %.1f s)", self.poll_s)
             self._stop.wait(self.poll_s)
 
     def lag_seconds(self, ready: dict[int, Path] | None = None) -> float:
@@ -420,16 +635,14 @@ class DeltaApplier:
         except FileNotFoundError:
             return 0.0
 
-    def poll_once(self) -> bool:
-        """Look at the directory once; apply the next delta if it is there and valid."""
-        ready = ready_sequences(self.directory)
-        seq = self.applied + 1
+    def _checked(self, seq: int, ready: dict[int, Path]) -> Prepared | None:
+        """Delta ``seq`` read, validated and converted, or None (missing, or refused: logged, counted)."""
         if seq not in ready:
             later = [s for s in ready if s > seq]
             if later and self._gap_logged != seq:
                 logger.warning("delta %08d is missing while %d later ones are visible: waiting for it", seq, len(later))
                 self._gap_logged = seq
-            return False
+            return None
         path = delta_path(self.directory, seq)
         try:
             st = path.stat()
@@ -437,12 +650,11 @@ class DeltaApplier:
         except FileNotFoundError:
             stamp = (-1, 0)
         if seq in self.refused and self.refused[seq][0] == stamp:
-            return False  # refused as it is: wait for a replacement (renamed over it)
-        started = time.perf_counter()
+            return None  # refused as it is: wait for a replacement (renamed over it)
         try:
             if stamp[0] < 0:
                 raise DeltaError("corrupt", "its .ready marker is there but the delta file is not")
-            prepared = self.prepare(read_delta(path), seq)
+            return self.prepare(read_delta(path), seq)
         except DeltaError as e:
             self.refused[seq] = (stamp, e.reason)
             logger.error(
@@ -453,22 +665,172 @@ class DeltaApplier:
                 seq,
             )
             self._emit_counter("dlrm_deltas_refused_total", 1, Reason=e.reason)
+            return None
+
+    def poll_once(self) -> bool:
+        """Look at the directory once; apply the next delta if it is there and valid (shared tables:
+        write it if this worker is the writer, and flip to the newest shared side). True: progress."""
+        if self.shared is not None:
+            if not self._joined:
+                self._join()
+            wrote = self._writer is None and self.shared.take_writer() and self._write_round()
+            return self._follow() or wrote
+        started = time.perf_counter()
+        prepared = self._checked(self.applied + 1, ready_sequences(self.directory))
+        if prepared is None:
             return False
         self.apply(prepared)
-        d = prepared.delta
-        self.rows_applied += d.rows
+        self._log_applied(prepared.delta, started)  # type: ignore[arg-type]
+        self._emit_counter("dlrm_delta_rows_total", prepared.delta.rows)  # type: ignore[union-attr]
+        self.rows_applied += prepared.delta.rows  # type: ignore[union-attr]
+        self._gauges(force=True)
+        return True
+
+    def _log_applied(self, d: Delta, started: float, extra: str = "") -> None:
         logger.info(
-            "delta %s applied: %d rows in %d table(s)%s, %.1f ms (%.1f ms under the lock)",
-            path.name,
+            "delta %s applied: %d rows in %d table(s)%s, %.1f ms%s",
+            d.path.name,
             d.rows,
             len(d.tables),
             ", dense parameters" if d.dense else "",
             (time.perf_counter() - started) * 1000,
+            extra or f" ({self._locked_ms:.1f} ms under the lock)",
+        )
+
+    # -- shared tables -------------------------------------------------------------------------
+
+    def _join(self) -> None:
+        """Start serving the shared tables: the writer makes them if need be; another worker waits
+        (bounded) for the writer to have looked at the directory since this worker started."""
+        sh = self.shared
+        assert sh is not None
+        deadline = time.monotonic() + self.JOIN_WAIT_S
+        while True:
+            if sh.take_writer():
+                sh.create()
+                break
+            m = sh.meta()
+            if m is not None and m.get("checked", 0) > self._started:
+                break
+            if time.monotonic() > deadline:
+                if m is not None:
+                    logger.warning(
+                        "live updates: the writer has not caught up in %.0f s; serving its tables as they are",
+                        self.JOIN_WAIT_S,
+                    )
+                    break
+                raise RuntimeError(
+                    f"live updates: no worker made the shared tables in {sh.dir} in {self.JOIN_WAIT_S} s"
+                )
+            time.sleep(0.05)
+        while True:  # record the active side, then make sure it was still active after that
+            m = sh.meta()
+            assert m is not None
+            side = m["active"]
+            seq = m["seq"][side]
+            self._flip_to(side, seq)
+            again = sh.meta() or {}
+            if again.get("active") == side and again.get("seq", [None, None])[side] == seq:
+                break
+        self._joined = True
+
+    def _follow(self) -> bool:
+        """Flip to the active side if it holds a newer sequence than this worker serves."""
+        m = self.shared.meta() if self.shared else None
+        if not m or not self._joined:
+            return False
+        side, seq = m["active"], m["seq"][m["active"]]
+        if seq is None or (seq <= self.applied and side == self.side):
+            return False
+        self._flip_to(side, seq)
+        return True
+
+    def _flip_to(self, side: int, seq: int) -> None:
+        started = time.perf_counter()
+        dense = self._newest_dense(self.applied, seq) if seq != self.applied else None
+        self.apply(Prepared(None, [], self._dense_parts(dense) if dense else {}, side, seq))
+        logger.info(
+            "serving delta sequence %d (shared tables side %d%s); %.1f ms, %.3f ms under the lock",
+            seq,
+            side,
+            ", new dense parameters" if dense else "",
+            (time.perf_counter() - started) * 1000,
             self._locked_ms,
         )
-        self._emit_counter("dlrm_delta_rows_total", d.rows)
         self._gauges(force=True)
+
+    def _newest_dense(self, after: int, upto: int) -> dict[str, torch.Tensor] | None:
+        """The dense parameters of the newest delta in (after, upto] that has them (the writer
+        validated them)."""
+        from safetensors import safe_open
+
+        for seq in range(upto, after, -1):
+            with safe_open(str(delta_path(self.directory, seq)), framework="pt") as f:
+                keys = [k for k in f.keys() if k.startswith(DENSE)]
+                if keys:
+                    return {k[len(DENSE) :]: f.get_tensor(k) for k in keys}
+        return None
+
+    def _write_round(self) -> bool:
+        """The writer: the next visible deltas (up to 16) into the free side, which becomes active."""
+        sh = self.shared
+        assert sh is not None
+        sh.create()
+        m = sh.meta()
+        assert m is not None
+        active, seqs = m["active"], list(m["seq"])
+        cur = seqs[active]
+        ready = ready_sequences(self.directory)
+        target = active if self.unguarded_pause is not None else 1 - active
+        if cur + 1 not in ready or (target != active and target in sh.readers()):
+            sh.set_meta(checked=time.time())  # nothing to do, or a worker still reads the free side: next poll
+            return False
+        started = time.perf_counter()
+        batch: list[Prepared] = []
+        while len(batch) < 16 and (p := self._checked(cur + 1 + len(batch), ready)) is not None:
+            batch.append(p)
+        if not batch:
+            sh.set_meta(checked=time.time())
+            return False
+        views = sh.views(target)
+        if target != active:
+            sh.set_meta(seq=[None if s == target else q for s, q in enumerate(seqs)])  # being written
+            if not self._replay(views, seqs[target], cur):
+                sh.copy_side(active, target)
+        for p in batch:
+            for table, ids, src in p.writes:
+                _write(views[table], ids, src)
+                if self.unguarded_pause is not None:  # the test-only torn apply: the active side, pausing
+                    time.sleep(self.unguarded_pause)
+            self._cache[p.delta.sequence] = p.writes  # type: ignore[union-attr]
+        seqs[target] = batch[-1].delta.sequence  # type: ignore[union-attr]
+        sh.set_meta(active=target, seq=seqs, checked=time.time())
+        self._cache = {s: w for s, w in self._cache.items() if s > cur}
+        for p in batch:
+            d = p.delta
+            assert d is not None
+            self.rows_applied += d.rows
+            self._emit_counter("dlrm_delta_rows_total", d.rows)
+            self._log_applied(d, started, f" into shared tables side {target}")
         return True
+
+    def _replay(self, views: dict[str, torch.Tensor], have: int | None, want: int) -> bool:
+        """Bring a side from sequence ``have`` to ``want`` (the deltas the other side already has);
+        False: it cannot (half written, or a delta no longer readable): copy the other side instead."""
+        if have is None or have > want:
+            return False
+        for seq in range(have + 1, want + 1):
+            writes = self._cache.get(seq)
+            if writes is None:
+                try:
+                    writes = self.prepare(read_delta(delta_path(self.directory, seq)), seq).writes
+                except DeltaError:
+                    return False
+            for table, ids, src in writes:
+                _write(views[table], ids, src)
+        return True
+
+    # -- both ----------------------------------------------------------------------------------
 
     def prepare(self, d: Delta, sequence: int) -> Prepared:
         """Validate ``d`` against the model and convert it; nothing served changes."""
@@ -486,16 +848,14 @@ class DeltaApplier:
                 # Whole rows, the kernel's padding zero-filled as the build leaves it: one contiguous
                 # row copy each (a strided write of part rows took ~10x longer under the lock)
                 src = torch.nn.functional.pad(src, (0, view.shape[1] - src.shape[1]))
-                if view.shape[1] % 8 == 0 and view.data_ptr() % 8 == 0:  # rows are 16-byte aligned: copy
-                    view, src = view.view(torch.int64), src.view(torch.int64)  # 8 bytes at a time (~2x)
-                ids = ids.to(view.device)
-                if view.device.type == "cpu":
+                if self.shared is None and view.device.type == "cpu":
                     # The first write to a page of the memory-mapped archive copies it (copy on write):
                     # rewrite the rows' current bytes now, outside the lock, so the locked write only
                     # copies. Safe while serving: the bytes a forward may read do not change.
                     view.index_copy_(0, ids, view.index_select(0, ids))
-                writes.append((view, ids, src.to(view.device)))
-        return Prepared(d, writes, self._dense_parts(d.dense) if d.dense else {})
+                writes.append((t, ids, src))
+        dense = self._dense_parts(d.dense) if d.dense and self.shared is None else {}
+        return Prepared(d, writes, dense)
 
     def _dense_parts(self, dense: Mapping[str, torch.Tensor]) -> dict[str, torch.nn.Module]:
         """New dense modules holding ``dense``, frozen as the served ones are."""
@@ -507,20 +867,33 @@ class DeltaApplier:
         for name in ("dense_arch", "inter_arch", "over_arch"):
             getattr(shell, name).to(device)
         shell.eval()
+        from dlrmkit import dense as dense_half
+
+        if isinstance(live, dense_half.ServedDLRM):
+            # A compiled dense half (bf16/int8) is compiled again with the new weights, as the worker
+            # compiled it at start (int8: the archive's calibration inputs), here in the watcher
+            calibration = dense_half.read_calibration(self.model_dir) if live.precision == "int8" else None
+            served, line = dense_half.compile_dense(shell, self.config, live.precision, calibration)
+            if isinstance(served, dense_half.ServedDLRM):
+                logger.info("dense delta: the dense half compiled again: %s", line)
+                return {"dense": served.dense}
+            logger.warning("dense delta: %s; its dense parameters are served in fp32", line)
+            return {"dense": dense_half.DenseHalf(shell).eval()}
         if any(isinstance(getattr(live, n), torch.jit.ScriptModule) for n in ("dense_arch", "over_arch")):
             self.factory.freeze_dense(shell)
         return {n: getattr(shell, n) for n in ("dense_arch", "inter_arch", "over_arch")}
 
     def apply(self, p: Prepared) -> None:
-        """Write ``p`` under the lock: all of one delta or none of it, between two batches.
+        """Write ``p`` (or flip to its side) under the lock: all of one delta or none of it, between
+        two batches.
 
-        While batches are being served, the write is handed to the serving thread (``serving``
+        While batches are being served, the work is handed to the serving thread (``serving``
         does it before its next forward, at the serving thread's priority: a low-priority watcher
         holding the lock would stall the batches waiting for it); when idle, or if no batch comes
-        within HANDOVER_S, the watcher writes it itself."""
-        if self.unguarded_pause is not None:  # the test-only torn apply: no lock, a pause between tables
-            for view, ids, src in p.writes:
-                view.index_copy_(0, ids, src)
+        within HANDOVER_S, the watcher does it itself."""
+        if self.unguarded_pause is not None and p.side is None:  # the test-only torn apply: no lock, pauses
+            for table, ids, src in p.writes:
+                _write(self.views[table], ids, src)
                 time.sleep(self.unguarded_pause)
             self._swap(p)
         else:
@@ -535,13 +908,16 @@ class DeltaApplier:
                 with self.lock:
                     if self._pending is p:
                         self._apply_locked(p)
-        self._write_state()
+        self._write_state()  # after the flip: the writer reads it to know which side is free
 
     def _apply_locked(self, p: Prepared) -> None:
         t0 = time.perf_counter()
         with torch.no_grad():
-            for view, ids, src in p.writes:
-                view.index_copy_(0, ids, src)
+            if p.side is not None:
+                self.shared.flip(p.side)  # type: ignore[union-attr]
+                self.side = p.side
+            for table, ids, src in p.writes:
+                _write(self.views[table], ids, src)
         self._swap(p)
         self._pending = None
         self._locked_ms = (time.perf_counter() - t0) * 1000
@@ -550,11 +926,12 @@ class DeltaApplier:
     def _swap(self, p: Prepared) -> None:
         for name, part in p.dense_parts.items():
             setattr(self.model, name, part)
-        self.applied = p.delta.sequence
+        self.applied = p.delta.sequence if p.delta is not None else p.sequence
         self.applied_at = time.time()
 
     def _write_state(self) -> None:
-        """<model dir>/delta-state/<pid>.json: this worker's sequence, for the OIP metadata."""
+        """<model dir>/delta-state/<pid>.json: this worker's sequence, for the OIP metadata, and
+        the shared side it reads, for the writer."""
         if self.state_file is None:
             return
         self.state_file.parent.mkdir(parents=True, exist_ok=True)
@@ -565,6 +942,7 @@ class DeltaApplier:
                     "sequence": self.applied,
                     "base": self.target.base,
                     "pid": os.getpid(),
+                    "buffer": self.side,
                     "applied_at": self.applied_at,
                     "locked_ms": round(self._locked_ms, 3),
                     "rows_applied": self.rows_applied,
@@ -602,10 +980,8 @@ class DeltaApplier:
             logger.warning("metric %s: %s", name, e)
 
 
-def target_for(
-    model: torch.nn.Module, config: Any, factory: Any, name: str, base: str, dense: str, sharded: bool
-) -> Target:
-    """The Target of a served model; ``dense`` is the handler's dense-half line ("fp32", ...)."""
+def target_for(model: torch.nn.Module, config: Any, factory: Any, name: str, base: str, sharded: bool) -> Target:
+    """The Target of a served model."""
     tables = dict(zip(config.sparse_features, zip(config.num_embeddings, [config.embedding_dim] * config.num_features)))
     from dlrmkit.scale import EBC
 
@@ -614,14 +990,7 @@ def target_for(
         for k, v in factory.build("cpu", tables_on_meta=True).state_dict().items()
         if not k.startswith(EBC)
     }
-    refused = None
-    if config.dense_precision != "fp32" or not dense.startswith("fp32"):
-        refused = (
-            f"dense-parameter deltas need handler.dense_precision fp32; this worker's dense half is "
-            f"compiled ({dense}): roll out a new archive for new dense weights, or publish embedding rows only"
-        )
-    elif sharded:
-        refused = "dense-parameter deltas are not taken by a sharded (multi-GPU) worker"
+    refused = "dense-parameter deltas are not taken by a sharded (multi-GPU) worker" if sharded else None
     return Target(name, base, tables, shapes, refused)
 
 
@@ -637,10 +1006,10 @@ def start_watcher(handler: Any, context: Any, dense: str, devices: list) -> Delt
     model_dir = Path(context.system_properties.get("model_dir") or ".")
     if len(devices) > 1:
         raise ConfigError("handler.delta_dir: live updates take an unsharded model (one device per worker)")
-    if _MAPPINGS:
+    if _MAPPINGS and devices[0].type != "cpu":
         raise ConfigError(
-            "handler.delta_dir: the tables are mapped read-only (larger than memory); "
-            "live updates write rows in place and need them writable"
+            "handler.delta_dir: the tables are mapped read-only (larger than memory) and copied to a GPU; "
+            "live updates there write rows in place and need them writable"
         )
     base_file = model_dir / BASE_FILE
     if base_file.is_file():
@@ -654,7 +1023,7 @@ def start_watcher(handler: Any, context: Any, dense: str, devices: list) -> Delt
     from dlrm_factory import DLRMFactory
 
     factory = DLRMFactory(config)
-    target = target_for(handler.model, config, factory, handler.model_id[0], base, dense, len(devices) > 1)
+    target = target_for(handler.model, config, factory, handler.model_id[0], base, len(devices) > 1)
     applier = DeltaApplier(
         handler.model,
         config,

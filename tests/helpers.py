@@ -160,7 +160,7 @@ class DeltaReferences:
         factory = DLRMFactory(self.config)
         model = factory.load(self.tmp / "dlrm.pt")
         factory.freeze_dense(model)
-        target = target_for(model, self.config, factory, "dlrm", base, "fp32", False)
+        target = target_for(model, self.config, factory, "dlrm", base, False)
         self.applier = DeltaApplier(model, self.config, factory, directory, target)
         self.parser, self.requests, self.tol = RequestParser(self.config), requests, tol
         self.scores = {0: self._score()}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import time
 
 import pytest
 import torch
@@ -14,7 +16,6 @@ from dlrm_factory import DLRMFactory
 from dlrmkit.delta import (
     BASE_FILE,
     DeltaApplier,
-    DeltaError,
     base_version,
     changes,
     delta_path,
@@ -71,7 +72,7 @@ def served(tmp_path, model, dtype):
 def applier(tmp_path, model, dtype="fp32", name="dlrm", **cfg):
     live, factory, base = served(tmp_path, model, dtype)
     config = tiny_config(embedding_dtype=dtype, **cfg)
-    target = target_for(live, config, factory, name, base, config.dense_precision, False)
+    target = target_for(live, config, factory, name, base, False)
     return DeltaApplier(live, config, factory, tmp_path / "deltas", target, state_dir=tmp_path), base
 
 
@@ -167,18 +168,31 @@ def test_a_damaged_file_is_refused(tmp_path, model, damage):
     assert app.refused[1][1] == {"truncated": "corrupt", "checksum": "checksum"}.get(damage, "corrupt")
 
 
-def test_dense_deltas_are_refused_when_the_dense_half_is_compiled(tmp_path, model):
+def test_a_dense_delta_compiles_a_compiled_dense_half_again(tmp_path, model, monkeypatch):
+    """bf16 (compiled past the CPU check, so that an AVX2 host runs it too): a dense delta is
+    compiled into a new dense half that serves the new weights; rows-only deltas keep the old one."""
+    from dlrmkit import dense as dense_half
+
+    monkeypatch.setattr(dense_half, "unsupported", lambda precision, flags: None)
     live, factory, base = served(tmp_path, model, "fp32")
     config = tiny_config(dense_precision="bf16")
-    target = target_for(live, config, factory, "dlrm", base, "bf16 (compiled)", False)
-    app = DeltaApplier(live, config, factory, tmp_path / "d", target)
-    tables, params = diff(model, trained_further(model))
-    write_delta(app.directory, "dlrm", base, 1, tables, params)
-    assert app.catch_up() == 0 and app.refused[1][1] == "dense"
-    with pytest.raises(DeltaError, match="dense_precision fp32"):
-        target.check(read_delta(delta_path(app.directory, 1)), 1)
-    write_delta(app.directory, "dlrm", base, 1, tables)  # rows only: taken
-    assert app.catch_up() == 1
+    live, line = dense_half.compile_dense(live, config, "bf16")
+    assert isinstance(live, dense_half.ServedDLRM), line
+    target = target_for(live, config, factory, "dlrm", base, False)
+    app = DeltaApplier(live, config, factory, tmp_path / "d", target, state_dir=tmp_path)
+    new = trained_further(model)
+    tables, params = diff(model, new)
+    old_half = live.dense
+    write_delta(app.directory, "dlrm", base, 1, tables)  # rows only
+    assert app.catch_up() == 1 and app.model.dense is old_half
+    write_delta(app.directory, "dlrm", base, 2, {}, params)
+    assert app.catch_up() == 1 and app.model.dense is not old_half
+    rebuilt, _, _ = served(tmp_path / "new", new, "fp32")
+    dense, kjt = batch(64, seed=5)
+    got, want = torch.sigmoid(forward(app.model, dense, kjt)), torch.sigmoid(forward(rebuilt, dense, kjt))
+    assert float((got - want).abs().mean()) <= 0.02, (got - want).abs().max()  # bf16 of the new weights
+    before = torch.sigmoid(forward(served(tmp_path / "old", model, "fp32")[0], dense, kjt))
+    assert float((got - before).abs().mean()) > 3 * float((got - want).abs().mean())  # not the old ones
 
 
 def test_deltas_apply_in_order_wait_for_a_gap_and_never_twice(tmp_path, model):
@@ -305,3 +319,68 @@ def test_a_trainer_publishing_every_n_steps_reproduces_its_checkpoint(tmp_path):
         import_checkpoint(tmp_path / "a" / "checkpoint", config, log=lambda m: None)[TABLE.format("cat_0")],
     )
     assert all(torch.equal(state[k], v) for k, v in want.items())
+
+
+def second_worker(tmp_path, first, dtype="int8", **kw):
+    """Another worker of the same archive and model directory (as TorchServe starts one)."""
+    factory = DLRMFactory(tiny_config(embedding_dtype=dtype))
+    live = factory.load(next(tmp_path.glob("dlrm-*.pt")))
+    factory.freeze_dense(live)
+    return DeltaApplier(live, first.config, factory, first.directory, first.target, state_dir=tmp_path, **kw)
+
+
+def test_workers_share_one_writer_and_it_never_writes_the_side_a_worker_reads(tmp_path, model):
+    """Two workers, one set of shared tables: the first is the writer; the second serves the rows the
+    writer wrote without writing a byte; a side one worker still serves is not written until it
+    flips; when the writer's process is gone, the other worker takes over."""
+    import subprocess
+    import sys
+
+    from helpers import wait_until
+
+    a, base = applier(tmp_path, model, "int8")
+    a.poll_s, a.worker = 0.02, "a"
+    a.catch_up()
+    a.start()
+    b = second_worker(tmp_path, a, worker="b")
+    try:
+        assert b.catch_up() == 0 and a.shared.is_writer and not b.shared.is_writer
+        steps = [trained_further(model, seed=s, rows=2 + s) for s in range(4)]
+        deltas = [diff(x, y, dense=False)[0] for x, y in zip([model, *steps], steps)]
+        dense, kjt = batch(64, seed=5)
+        write_delta(a.directory, "dlrm", base, 1, deltas[0])
+        wait_until(lambda: a.applied, lambda s: s == 1)
+        assert b.catch_up() == 1 and b.rows_applied == 0  # b wrote nothing: it reads a's writes
+        torch.testing.assert_close(forward(b.model, dense, kjt), forward(a.model, dense, kjt))
+        assert {a.side, b.side} == {1} and a.model is not b.model
+
+        with b.serving() as seq:  # a batch of b's in flight on side 1, at sequence 1
+            frozen = {k: v.clone() for k, v in a.shared.views(1).items()}
+            write_delta(a.directory, "dlrm", base, 2, deltas[1])  # into side 0: free
+            wait_until(lambda: a.applied, lambda s: s == 2)
+            write_delta(a.directory, "dlrm", base, 3, deltas[2])  # into side 1: b reads it, must wait
+            time.sleep(0.3)  # a polls ~15 times meanwhile
+            assert a.shared.meta()["seq"] == [2, 1] and a.applied == 2
+            assert all(torch.equal(v, a.shared.views(1)[k]) for k, v in frozen.items())
+            assert seq == 1
+        assert b.catch_up() == 1 and b.side == 0  # flips to 2; then side 1 is free for 3
+        wait_until(lambda: a.applied, lambda s: s == 3)
+        assert b.catch_up() == 1 and b.applied == 3
+        torch.testing.assert_close(forward(b.model, dense, kjt), forward(a.model, dense, kjt))
+
+        # The writer's process is gone: its flock released, its state file naming a pid that exited
+        a.stop()
+        os.close(a.shared._fd)
+        gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+        state = json.loads(a.state_file.read_text())
+        a.state_file.write_text(json.dumps({**state, "pid": int(gone.stdout)}))
+        write_delta(a.directory, "dlrm", base, 4, deltas[3])
+        assert b.catch_up() == 1 and b.shared.is_writer and b.applied == 4
+        want = copy.deepcopy(model)  # the model's dense half (row deltas only) with step 3's tables
+        ebc = want.sparse_arch.embedding_bag_collection
+        ebc.load_state_dict(steps[3].sparse_arch.embedding_bag_collection.state_dict())
+        ref, _, _ = served(tmp_path / "ref", want, "int8")
+        torch.testing.assert_close(forward(b.model, dense, kjt), forward(ref, dense, kjt), atol=1e-6, rtol=1e-6)
+    finally:
+        a.stop()
+        b.stop()
