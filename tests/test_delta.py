@@ -384,3 +384,54 @@ def test_workers_share_one_writer_and_it_never_writes_the_side_a_worker_reads(tm
     finally:
         a.stop()
         b.stop()
+
+
+def test_tables_mapped_read_only_take_deltas_into_the_shared_sides(tmp_path, monkeypatch):
+    """Tables larger than memory are mapped read-only (tests/test_stream.py forces that path as
+    here): the archive file is only read, the deltas go into the shared sides, and the scores are
+    those of a privately loaded model with the same delta written in place."""
+    from dlrmkit import stream
+
+    config = tiny_config(embedding_dtype="int8", num_embeddings=[5000, 30, 40])
+    path = tmp_path / "dlrm.pt"
+    stream.write_weights(path, config, stream.RandomSource(config), log=lambda _: None)
+    before = base_version(path)
+    factory = DLRMFactory(config)
+    private = factory.load(path)
+    real_load = torch.load
+
+    def refuse(f, *a, **kw):
+        if kw.get("mmap"):
+            raise RuntimeError(
+                f"unable to mmap {os.path.getsize(f)} bytes from file <{f}>: Cannot allocate memory (12)"
+            )
+        return real_load(f, *a, **kw)
+
+    monkeypatch.setattr(torch, "load", refuse)
+    mapped = factory.load(path)
+    monkeypatch.undo()
+    target = target_for(mapped, config, factory, "dlrm", before, False)
+    shared = DeltaApplier(mapped, config, factory, tmp_path / "deltas", target, state_dir=tmp_path / "model")
+    own = DeltaApplier(private, config, factory, tmp_path / "deltas", target)
+    assert shared.shared is not None and own.shared is None
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.tensor([0, 7, 4999, 1234])
+    write_delta(shared.directory, "dlrm", before, 1, {"feature_0": (ids, torch.rand(4, 8, generator=gen) * 2 - 1)})
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    dense, kjt = batch(64)
+    kjt_ids = kjt.values().clone()
+    kjt_ids[: len(ids)] = ids  # the batch looks up the changed rows (key-major: feature_0's first)
+    kjt = KeyedJaggedTensor(keys=kjt.keys(), values=kjt_ids, lengths=kjt.lengths())
+    old = forward(mapped, dense, kjt)
+    assert shared.catch_up() == 1 and own.catch_up() == 1
+    new = forward(shared.model, dense, kjt)
+    assert torch.equal(new, forward(own.model, dense, kjt)) and not torch.equal(new, old)
+    assert base_version(path) == before  # the archive file was never written
+    buf = mapped.sparse_arch.embedding_bag_collection._emb_modules[0].weights_host
+    (line,) = [
+        ln
+        for ln in open("/proc/self/maps").read().splitlines()
+        if int(ln.split("-")[0], 16) <= buf.data_ptr() < int(ln.split()[0].split("-")[1], 16)
+    ]
+    assert line.split()[1] == "rw-s" and f"tables-{before}-0-" in line, line
