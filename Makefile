@@ -16,6 +16,10 @@ CHECKPOINT ?=
 # build proves the archive against them and fails, leaving no archive, on any difference.
 VERIFY ?=
 VERIFY_ARG = $(if $(VERIFY),--verify $(VERIFY))
+# handler.dense_precision int8: requests like the training data (scripts/train.py writes
+# calibration.jsonl) for static activation scales; without it int8 scales per batch (dynamic).
+CALIBRATE ?=
+CALIBRATE_ARG = $(if $(CALIBRATE),--calibrate $(CALIBRATE))
 CKPT_FILES := $(if $(CHECKPOINT),$(or $(wildcard $(CHECKPOINT)/.metadata $(CHECKPOINT)/*),$(CHECKPOINT)))
 
 .PHONY: help venv plugin image image-base mar serve ready rollout rollback stop lint fuzz test unit integration bench knobs soak faults clean FORCE
@@ -30,12 +34,12 @@ help:  ## list the targets
 
 # Rebuilt when a source, the config or the checkpoint changes; CONFIG=model-config.criteo.yaml for
 # Criteo, CONFIG=model-config.dlrmv2.yaml for MLPerf DLRMv2.
-$(MAR): $(SOURCES) $(CONFIG) $(CKPT_FILES) $(VERIFY) model_store/.config | venv
-	$(PY) scripts/build_mar.py --config $(CONFIG) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(VERIFY_ARG) --force
+$(MAR): $(SOURCES) $(CONFIG) $(CKPT_FILES) $(VERIFY) $(CALIBRATE) model_store/.config | venv
+	$(PY) scripts/build_mar.py --config $(CONFIG) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(VERIFY_ARG) $(CALIBRATE_ARG) --force
 
 # Records which config and checkpoint the archive was built from, so switching either rebuilds it.
 model_store/.config: FORCE
-	@mkdir -p model_store; echo "$(CONFIG) $(CHECKPOINT)" | cmp -s - $@ || echo "$(CONFIG) $(CHECKPOINT)" > $@
+	@mkdir -p model_store; echo "$(CONFIG) $(CHECKPOINT) $(CALIBRATE)" | cmp -s - $@ || echo "$(CONFIG) $(CHECKPOINT) $(CALIBRATE)" > $@
 
 FORCE:
 
@@ -53,7 +57,7 @@ $(PLUGIN): $(PLUGIN_SRC) | venv
 plugin: $(PLUGIN)  ## build the Open Inference Protocol endpoint plugin (build/plugins/dlrm-oip.jar)
 
 mar: venv $(PLUGIN)  ## build model_store/dlrm.mar from CONFIG (and CHECKPOINT, proven with VERIFY)
-	$(PY) scripts/build_mar.py --config $(CONFIG) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(VERIFY_ARG) --force
+	$(PY) scripts/build_mar.py --config $(CONFIG) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(VERIFY_ARG) $(CALIBRATE_ARG) --force
 
 # Start TorchServe in the background (logs/), wait for the model, score a sample request.
 serve: venv $(MAR) $(PLUGIN)  ## start TorchServe in the background, wait for the model, score a sample
@@ -65,7 +69,7 @@ ready:  ## readiness probe: exit 0 once the served model scores a request
 
 # Build the next model version from CONFIG and roll it out with no downtime (docs/operations.md).
 rollout: venv  ## build the next version from CONFIG and roll it out with no downtime
-	$(PY) scripts/rollout.py --config $(CONFIG) $(SAMPLE_ARG) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(VERIFY_ARG)
+	$(PY) scripts/rollout.py --config $(CONFIG) $(SAMPLE_ARG) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(VERIFY_ARG) $(CALIBRATE_ARG)
 
 rollback: venv  ## roll back to the previous model version
 	$(PY) scripts/rollout.py --rollback $(SAMPLE_ARG)

@@ -250,16 +250,19 @@ def unpack(mar: Path, into: Path) -> Path:
     return into
 
 
-def _host_child(conn, cfg_path: str, model_dir: str, cpu: int) -> None:
-    """One single-threaded process on one CPU holding the served model (as a worker loads it)."""
+def _host_child(conn, cfg_path: str, model_dir: str | None, cpu: int) -> None:
+    """One single-threaded process on one CPU holding the served model (as a worker loads it),
+    or with no ``model_dir`` stock torchrec's fp32 model of the config (its DLRM / DLRM_DCN with an
+    unfused EmbeddingBagCollection, eager: what torchrec alone runs, no kit, no server)."""
     import torch
 
+    from dlrm_factory import DLRMFactory
     from dlrmkit.config import DLRMConfig
 
     os.sched_setaffinity(0, {cpu})
     torch.set_num_threads(1)
     cfg = DLRMConfig.from_yaml(cfg_path)
-    model, _ = load_served(cfg, Path(model_dir))
+    model = load_served(cfg, Path(model_dir))[0] if model_dir else DLRMFactory(cfg).random().eval()
     callers = {}
     conn.send("ready")
     while (msg := conn.recv()) is not None:
@@ -274,9 +277,11 @@ def _host_child(conn, cfg_path: str, model_dir: str, cpu: int) -> None:
 class HostForward:
     """The served model's raw forward on every CPU this process may use (dlrmkit.cpus): N
     processes x 1 thread (each pinned to one CPU) and ``model`` in this process with N threads;
-    ``measure`` runs both back to back and the better is the host's limit."""
+    ``measure`` runs both back to back and the better is the host's limit. With ``model_dir``
+    and ``model`` None: stock torchrec's fp32 forward of the config, N processes x 1 thread only
+    (issue 29's anchor for the DLRMv2 target)."""
 
-    def __init__(self, cfg_path: Path, model_dir: Path, model, cfg):
+    def __init__(self, cfg_path: Path, model_dir: Path | None, model, cfg):
         import multiprocessing
 
         from dlrmkit.cpus import available_cpus
@@ -287,7 +292,8 @@ class HostForward:
         self.conns, self.procs = [], []
         for cpu in self.cpus:
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_host_child, args=(child, str(cfg_path), str(model_dir), cpu), daemon=True)
+            args = (child, str(cfg_path), model_dir and str(model_dir), cpu)
+            p = ctx.Process(target=_host_child, args=args, daemon=True)
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
@@ -302,13 +308,15 @@ class HostForward:
         for c in self.conns:  # all start together
             c.send((batch, seconds))
         procs = sum(rows / s for rows, s in (c.recv() for c in self.conns))
-        before = torch.get_num_threads()
-        torch.set_num_threads(n)
-        try:
-            t = timed_calls(raw_caller(self.cfg, batch, random.Random(7))(self.model), seconds)
-        finally:
-            torch.set_num_threads(before)
-        threads = batch * len(t) / sum(t)
+        threads = 0.0
+        if self.model is not None:
+            before = torch.get_num_threads()
+            torch.set_num_threads(n)
+            try:
+                t = timed_calls(raw_caller(self.cfg, batch, random.Random(7))(self.model), seconds)
+            finally:
+                torch.set_num_threads(before)
+            threads = batch * len(t) / sum(t)
         best = max(procs, threads)
         return {
             "batch": batch,
@@ -353,8 +361,11 @@ def overlay(doc: dict, items: dict) -> tuple[dict, dict]:
     return doc, env
 
 
-def build_archive(cfg_path: Path, store: Path, name: str, items: dict | None = None) -> tuple[Path, dict, dict]:
-    """``cfg_path``'s archive with ``items`` overlaid (see ``overlay``) as ``store/name.mar``.
+def build_archive(
+    cfg_path: Path, store: Path, name: str, items: dict | None = None, calibrate: Path | None = None
+) -> tuple[Path, dict, dict]:
+    """``cfg_path``'s archive with ``items`` overlaid (see ``overlay``) as ``store/name.mar``
+    (``calibrate``: build_mar.py's --calibrate file, for an int8 dense half's static scales).
     Returns (the config file it was built from, that document, the environment asked for)."""
     import yaml
 
@@ -365,6 +376,8 @@ def build_archive(cfg_path: Path, store: Path, name: str, items: dict | None = N
     log(f"building {name}.mar from {Path(cfg_path).name}" + (f" with {items}" if items else ""))
     cmd = [sys.executable, str(ROOT / "scripts" / "build_mar.py"), "--config", str(source)]
     cmd += ["--output-dir", str(store), "--model-name", name, "--force"]
+    if calibrate and doc.get("handler", {}).get("dense_precision") == "int8":
+        cmd += ["--calibrate", str(calibrate)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return source, doc, env
 

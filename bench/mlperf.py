@@ -1,7 +1,7 @@
 """MLPerf Inference's Server scenario, run by MLPerf's own LoadGen against a served model over HTTP.
 
     import mlperf
-    pool = mlperf.query_pool(cfg, 256, seed=11)                 # (pairs, body) queries, 100-700 pairs
+    pool = mlperf.query_pool(cfg, 256, seed=11)                 # (pairs, body, headers) queries, 100-700 pairs
     r = mlperf.run(url, pool, qps=20, seconds=25, out=Path("results/loadgen/criteo-20qps"))
     r["valid"], r["p99_ms"], r["pairs_per_s"]                   # LoadGen's verdict and percentiles
     best = mlperf.search(lambda q: mlperf.run(url, pool, q, 25), start=30)["best"]
@@ -30,9 +30,12 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 from common import ROOT, cpu_snapshot, make_instance
+
+BINARY_HEADER = "Inference-Header-Content-Length"
 
 P99_BOUND_MS = 60.0  # MLPerf DLRMv2 Server
 PAIRS = (100, 700)
@@ -56,9 +59,21 @@ def mlperf_bags(cfg) -> list[int] | None:
     return [sample["lengths"][sample["keys"].index(f)] for f in cfg.sparse_features]
 
 
-def make_query(cfg, rng: random.Random, rows: int, bags: list[int] | None) -> bytes:
-    """``rows`` pairs as one `columns` request, every feature a column; with ``bags`` (ids per
-    row, per feature) multi-hot, else one id per row."""
+# How a query goes over the wire: the kit's `columns` JSON on /predictions, or Open Inference
+# Protocol v2 binary tensors on /v2/models/{m}/infer (tritonclient's encoding: a JSON header, then
+# raw little-endian arrays; ids and bag lengths as INT32, which the kit accepts).
+FORMS = ("columns", "v2-binary")
+
+
+class Query(NamedTuple):
+    pairs: int
+    body: bytes
+    headers: dict[str, str]
+
+
+def make_query(cfg, rng: random.Random, rows: int, bags: list[int] | None, form: str = "columns") -> Query:
+    """``rows`` pairs as one request of ``form``, every feature a column; with ``bags`` (ids per
+    row, per feature) multi-hot (``f.lengths`` + ``f.values`` in v2), else one id per row."""
     dense = [make_instance(cfg, rng)["dense"] for _ in range(rows)]
     sparse = {}
     for f, (name, n) in enumerate(zip(cfg.sparse_features, cfg.num_embeddings)):
@@ -66,13 +81,36 @@ def make_query(cfg, rng: random.Random, rows: int, bags: list[int] | None) -> by
         sparse[name] = {"values": [rng.randrange(n) for _ in range(rows * k)]}
         if bags:
             sparse[name]["lengths"] = [k] * rows
-    return json.dumps({"columns": {"dense": dense, "sparse": sparse}}).encode()
+    if form == "columns":
+        body = json.dumps({"columns": {"dense": dense, "sparse": sparse}}).encode()
+        return Query(rows, body, {"Content-Type": "application/json"})
+    import numpy as np
+
+    arrays = [("dense", "FP32", np.array(dense, "<f4"))]
+    for name, col in sparse.items():
+        if "lengths" in col:
+            arrays += [(f"{name}.lengths", "INT32", np.array(col["lengths"], "<i4"))]
+            arrays += [(f"{name}.values", "INT32", np.array(col["values"], "<i4"))]
+        else:
+            arrays += [(name, "INT32", np.array(col["values"], "<i4"))]
+    inputs = [
+        {"name": n, "datatype": t, "shape": list(a.shape), "parameters": {"binary_data_size": a.nbytes}}
+        for n, t, a in arrays
+    ]
+    header = json.dumps({"inputs": inputs, "parameters": {"binary_data_output": True}}).encode()
+    body = header + b"".join(a.tobytes() for *_, a in arrays)
+    return Query(rows, body, {"Content-Type": "application/octet-stream", BINARY_HEADER: str(len(header))})
 
 
-def query_pool(cfg, n: int, seed: int = 11, scale: float = 1.0) -> list[tuple[int, bytes]]:
-    """``n`` queries (pairs, body): LoadGen's sample library, drawn from by index."""
+def query_pool(cfg, n: int, seed: int = 11, scale: float = 1.0, form: str = "columns") -> list[Query]:
+    """``n`` queries: LoadGen's sample library, drawn from by index."""
     rng, bags = random.Random(seed), mlperf_bags(cfg)
-    return [(k, make_query(cfg, rng, k, bags)) for k in (query_pairs(rng, scale) for _ in range(n))]
+    return [make_query(cfg, rng, k, bags, form) for k in (query_pairs(rng, scale) for _ in range(n))]
+
+
+def path(form: str, model: str) -> str:
+    """The route a query of ``form`` goes to."""
+    return f"/v2/models/{model}/infer" if form == "v2-binary" else f"/predictions/{model}"
 
 
 class HttpSUT:
@@ -80,7 +118,7 @@ class HttpSUT:
     keep-alive connection of one of ``threads`` sender threads; the sample completes when its
     answer is read. Counts the pairs answered and the answers other than 200."""
 
-    def __init__(self, url: str, pool: list[tuple[int, bytes]], threads: int = 64):
+    def __init__(self, url: str, pool: list[Query], threads: int = 64):
         parts = urlsplit(url)
         self.host, self.port, self.path = parts.hostname, parts.port or 80, parts.path
         self.pool = pool
@@ -89,12 +127,12 @@ class HttpSUT:
         self.lock = threading.Lock()
         self.queries = self.pairs = self.errors = 0
 
-    def _post(self, body: bytes) -> int:
+    def _post(self, body: bytes, headers: dict[str, str]) -> int:
         for attempt in (0, 1):  # a connection the server closed is reopened once
             try:
                 if not hasattr(self.local, "conn"):
                     self.local.conn = http.client.HTTPConnection(self.host, self.port, timeout=300)
-                self.local.conn.request("POST", self.path, body, {"Content-Type": "application/json"})
+                self.local.conn.request("POST", self.path, body, headers)
                 resp = self.local.conn.getresponse()
                 resp.read()
                 return resp.status
@@ -109,8 +147,8 @@ class HttpSUT:
 
         pairs, status = 0, 0
         try:
-            pairs, body = self.pool[index]
-            status = self._post(body)
+            pairs, body, headers = self.pool[index]
+            status = self._post(body, headers)
         finally:  # always completed (a failure counts as one): LoadGen waits for every sample it issued
             with self.lock:
                 self.queries += 1
@@ -143,7 +181,7 @@ def settings(qps: float, seconds: float, min_queries: int, max_seconds: float | 
 
 def run(
     url: str,
-    pool: list[tuple[int, bytes]],
+    pool: list[Query],
     qps: float,
     seconds: float,
     min_queries: int = MIN_QUERIES,

@@ -243,6 +243,8 @@ def build(args, store: Path, version: str) -> str:
             cmd += ["--checkpoint", args.checkpoint]
         if args.verify:
             cmd += ["--verify", args.verify]
+        if args.calibrate:
+            cmd += ["--calibrate", args.calibrate]
         say(f"build {name} from {args.config}")
         try:
             subprocess.run(cmd, check=True)
@@ -262,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(default: seeded random weights)")
     ap.add_argument("--verify", metavar="FILE.jsonl", help="prove the built archive against the trainer's scores "
                     "before anything is registered (build_mar.py --verify)")
+    ap.add_argument("--calibrate", metavar="FILE.jsonl", help="handler.dense_precision int8: requests like the "
+                    "training data for static activation scales (build_mar.py --calibrate)")
     ap.add_argument("--version", help="version to build (default: the serving version's major + 1, e.g. 1.0 -> 2.0)")
     ap.add_argument("--archive", help="roll out this archive (a .mar in the model store) instead of building one")
     ap.add_argument("--rollback", action="store_true", help="return to the version before the last rollout")
@@ -274,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if sum(map(bool, (args.archive, args.rollback, args.version or args.checkpoint))) > 1:
         ap.error("choose one of --archive, --rollback, or a build (--version/--checkpoint)")
+    if args.calibrate and (args.archive or args.rollback):
+        ap.error("--calibrate goes with a build, not with --archive or --rollback")
 
     try:
         try:

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import yaml
-from conftest import ROOT, TINY, FakeContext, tiny_config
+from conftest import ROOT, TINY, FakeContext, tiny_config, variant
 
 import common
 import mlperf
@@ -147,10 +147,31 @@ def test_request_bodies_parse_with_the_kits_parser():
     for kind in (1, 128, common.RANKING, common.COLUMNS, common.COLUMNS_ALL):
         assert parser.parse(common.make_kind(kind, cfg, rng)) is not None, kind
     pool = mlperf.query_pool(cfg, 20)
-    assert all(mlperf.PAIRS[0] <= n <= mlperf.PAIRS[1] for n, _ in pool)
-    for n, body in pool[:3]:
+    assert all(mlperf.PAIRS[0] <= n <= mlperf.PAIRS[1] for n, _, _ in pool)
+    for n, body, _ in pool[:3]:
         assert len(json.loads(body)["columns"]["dense"]) == n
         parser.parse(body)
+
+
+def test_a_v2_binary_query_carries_the_same_pairs_as_its_columns_twin():
+    """The Server scenario's binary form: the same draws as the `columns` query of the same seed,
+    as OIP v2 tensors (INT32 ids and lengths) the kit's v2 parser reads to the same rows."""
+    from dlrmkit.batch import collate
+    from dlrmkit.forms import RequestParser
+    from dlrmkit.protocols import OIPv2
+
+    cfg = tiny_config(**variant("dcn"), max_instances_per_request=1024, max_ids_per_request=1 << 16)
+    bags = [1, 3, 2][: cfg.num_features] + [1] * max(0, cfg.num_features - 3)
+    as_json = mlperf.make_query(cfg, random.Random(4), 120, bags)
+    binary = mlperf.make_query(cfg, random.Random(4), 120, bags, "v2-binary")
+    assert binary.pairs == as_json.pairs == 120 and mlperf.path("v2-binary", "m") == "/v2/models/m/infer"
+    want = collate([RequestParser(cfg).parse(as_json.body)], cfg)[0]
+    header = int(binary.headers[mlperf.BINARY_HEADER])
+    got = collate([OIPv2(binary.body, RequestParser(cfg), header, ("m", "1")).parse()], cfg)[0]
+    import torch
+
+    assert torch.equal(got.dense, want.dense) and torch.equal(got.sparse.values(), want.sparse.values())
+    assert torch.equal(got.sparse.lengths(), want.sparse.lengths())
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
@@ -168,6 +189,9 @@ def test_load_served_runs_the_dense_half_the_handler_serves(tmp_path, precision)
     model, what = common.load_served(cfg, model_dir)
     # dlrmkit.dense.prepare's own line: the precision, or fp32 saying it fell back from it on this CPU
     assert what.startswith(precision) or f"FALLING BACK from {precision}" in what
+    # random weights have no training data: an int8 build calibrates on the kit's random rows (static)
+    assert (model_dir / "dense-calibration.pt").is_file() == (precision == "int8")
+    assert not what.startswith("int8") or what.startswith("int8 static"), what
     handler = TorchRecDLRMHandler()
     handler.initialize(FakeContext(model_dir, doc["handler"]))
     forward = common.raw_caller(cfg, 16, random.Random(1))
@@ -176,7 +200,8 @@ def test_load_served_runs_the_dense_half_the_handler_serves(tmp_path, precision)
 
 @pytest.mark.integration
 def test_server_scenario_under_loadgen_against_a_real_torchserve(tmp_path):
-    cfg = tmp_path / "model-config.tiny.yaml"
+    # named as the DLRMv2 config so that its target's anchor, stock torchrec's forward, is measured too
+    cfg = tmp_path / "model-config.dlrmv2.yaml"
     doc = yaml.safe_load((ROOT / "model-config.yaml").read_text())
     cfg.write_text(yaml.safe_dump(doc))
     args = [
@@ -211,10 +236,21 @@ def test_server_scenario_under_loadgen_against_a_real_torchserve(tmp_path):
     assert row["variant"] == "b8" and row["batch_size"] == 8 and row["dense"] == "fp32"
     assert len(row["runs"]) == 2 and row["runs"][0]["target_qps"] == 10
     for r in row["runs"]:
-        summary = (tmp_path / "lg" / f"tiny-b8-{r['target_qps']:.2f}qps.txt").read_text()
+        summary = (tmp_path / "lg" / f"dlrmv2-b8-{r['target_qps']:.2f}qps.txt").read_text()
         assert mlperf.parse_summary(summary)["valid"] == r["valid"]
         assert r["errors"] == 0 and r["p99_ms"] > 0
         # LoadGen stops a rate at --max-seconds: then, and only then, too few queries were sent
         assert ("Min queries" in r.get("unsatisfied", [])) == (r["queries"] < 20)
-    assert (tmp_path / "scenario.md").read_text().count("| model-config.tiny.yaml | b8 |") == 1
+    assert row["stock_before"]["rows_per_s"] > 0 and row["stock_after"]["rows_per_s"] > 0
+    assert row["target"] == {
+        "anchor": "stock",
+        "bound": 2.5,
+        "ratio": round(row["pairs_per_s"] / row["stock_rows_per_s"], 3),
+        "met": row["pairs_per_s"] / row["stock_rows_per_s"] >= 2.5,
+    }
+    md = (tmp_path / "scenario.md").read_text()
+    assert md.count("| model-config.dlrmv2.yaml | b8 |") == 1
+    verdict = "met" if row["target"]["met"] else "missed"
+    target = "Target (model-config.dlrmv2.yaml, b8): pairs/s >= 2.5 x stock torchrec's fp32 forward"
+    assert f"{target}: {row['target']['ratio']}, {verdict}." in md
     assert (tmp_path / "scenario.png").stat().st_size > 0

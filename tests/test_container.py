@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 import uuid
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -287,13 +288,18 @@ def test_an_int8_archive_serves_in_the_image_as_in_process(image, runtime_args):
         assert status == 200, (status, body, logs[-4000:])
         config = tiny_config(**variant("dcn"), dense_precision="int8")
         batch, bad = collate([RequestParser(config).parse(json.dumps({"instances": ROWS}))], config)
-        model, what = dense.prepare(DLRMFactory(config).random(), config, models, [torch.device("cpu")])
+        # the archive's own calibration rows (a random-weights build makes them): the same static scales
+        (mar,) = models.rglob("*.mar")
+        unpacked = models.parent / "unpacked"
+        with zipfile.ZipFile(mar) as z:
+            z.extract(dense.CALIBRATION_FILE, unpacked)
+        model, what = dense.prepare(DLRMFactory(config).random(), config, unpacked, [torch.device("cpu")])
         want = np.asarray(scores(model, batch, config)[0])
         fp32 = np.asarray(scores(DLRMFactory(tiny_config(**variant("dcn"))).random(), batch, config)[0])
         assert np.allclose(body["scores"], want, atol=1e-5, rtol=0), (body["scores"], want)
         if dense.unsupported("int8", dense.cpu_flags()) is None:
-            assert what.startswith("int8 dynamic"), what
-            assert "dense half: int8 dynamic" in logs and "FALLING BACK" not in logs, logs[-4000:]
+            assert what.startswith("int8 static"), what
+            assert "dense half: int8 static" in logs and "FALLING BACK" not in logs, logs[-4000:]
             assert not np.allclose(want, fp32, atol=1e-7, rtol=0)  # int8 did run: not the fp32 scores
         else:
             assert "dense half: fp32 (FALLING BACK from int8: this CPU has no " in logs, logs[-4000:]

@@ -47,6 +47,35 @@ def test_the_dense_half_after_the_lookup_is_the_models_forward(interaction):
         assert isinstance(model.inter_arch.crossnet, LowRankCrossNet)
 
 
+def test_batches_are_padded_to_a_few_sizes_each_made_at_worker_start():
+    """8 sizes an octave: a new size is a new oneDNN kernel (a slow first forward), so every size up
+    to WARM_ROWS is made at start and no batch needs another; the padding stays under 1/8."""
+    sizes = dense.warm_sizes()
+    assert sizes[:5] == [2, 4, 8, 16, 18] and sizes[-1] == dense.WARM_ROWS and len(sizes) == 4 + 8 * 8
+    for rows in range(1, dense.WARM_ROWS + 1):
+        padded = dense.padded_rows(rows)
+        assert padded in sizes and rows <= padded and (rows <= 16 or (padded - rows) * 8 < rows), rows
+    assert dense.padded_rows(5000) == 5120 and dense.padded_rows(1 << 20) == 1 << 20
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 45])
+def test_a_padded_batch_scores_its_own_rows_as_the_model_does(rows):
+    """The empty rows added (a zero dense row, an empty bag per feature) change no real row's score
+    and never come back; a key-major KJT keeps its values and gains zero lengths."""
+    config = tiny_config(**variant("dcn"))
+    model = DLRMFactory(config).random()
+    d, kjt = probe(config, rows, seed=rows)
+    padded = dense.pad_kjt(kjt, rows, dense.padded_rows(rows))
+    assert torch.equal(padded.values(), kjt.values())
+    assert torch.equal(padded.lengths().view(config.num_features, -1)[:, :rows], kjt.lengths().view(-1, rows))
+    assert int(padded.lengths().view(config.num_features, -1)[:, rows:].abs().sum()) == 0
+    with torch.inference_mode():
+        got = dense.ServedDLRM(model, dense.DenseHalf(model), "fp32")(d, kjt)
+        want = model(d, kjt)
+    assert got.shape == (rows, 1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("precision", ["bf16", "int8"])
 def test_reduced_precision_moves_scores_a_little_and_says_what_runs(precision):
     """Compiled and quantized for real on this CPU; a CPU without the instructions serves fp32
