@@ -130,8 +130,14 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
 
 
 def short(dense: str) -> str:
-    """dense.prepare's line without its reason: ``fp32 (FALLING BACK from int8)``."""
-    return dense.split(": ")[0] + (")" if ": " in dense else "")
+    """dense.prepare's line without its details: ``int8 static``, ``fp32 (FALLING BACK from int8)``.
+
+    >>> short("bf16 (autocast), Inductor with freezing"), short("fp32 (FALLING BACK from int8: no VNNI)")
+    ('bf16', 'fp32 (FALLING BACK from int8)')
+    """
+    if "FALLING BACK" in dense:
+        return dense.split(": ")[0] + (")" if ": " in dense else "")
+    return dense.split(" (")[0]
 
 
 def markdown(report: dict) -> list[str]:
