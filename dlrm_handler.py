@@ -42,8 +42,9 @@ from dlrmkit.scale import worker_devices
 
 logger = logging.getLogger(__name__)
 
-# Rows per forward pass at most; TorchServe's batch is split into groups of whole requests.
-MAX_ROWS_PER_FORWARD = 4096
+# Rows per forward pass at most; TorchServe's batch is split into groups of whole requests. The
+# compiled dense half makes every batch size up to this at worker start (dlrmkit/dense.py).
+MAX_ROWS_PER_FORWARD = dense_half.WARM_ROWS
 # TorchServe 0.12 answers every request with its own id in x-request-id, replacing any value the
 # handler sets there, so a client's X-Request-Id comes back under this name instead.
 # Request header names reach the handler with the client's spelling; these are the usual ones.

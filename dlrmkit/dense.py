@@ -139,7 +139,7 @@ class DenseHalf(nn.Module):
 # pairs, merged by TorchServe's batching) meets hundreds of sizes, so each of those was a slow
 # outlier at the p99. Batches are padded instead to one of 8 sizes an octave (< 12.5% more rows)
 # and every size up to WARM_ROWS is made at worker start.
-WARM_ROWS = 4096  # the handler's MAX_ROWS_PER_FORWARD: a larger forward is rare and long anyway
+WARM_ROWS = 4096  # also the handler's MAX_ROWS_PER_FORWARD: only one larger request runs past it
 
 
 def padded_rows(rows: int) -> int:

@@ -160,21 +160,17 @@ def main(argv: list[str] | None = None) -> Path:
                 print(f"[build] quantizing the tables to {config.embedding_dtype} (torchrec quantize_inference_model)",
                       flush=True)
             extra = [str(metadata := Path(tmp) / METADATA_FILE)]
-            if config.dense_precision == "int8" and args.calibrate:
-                calibration = Path(tmp) / CALIBRATION_FILE
-                torch.save(calibration_inputs(args.calibrate, model, config), calibration)
+            if config.dense_precision == "int8" and (args.calibrate or not args.checkpoint):
+                if args.calibrate:
+                    inputs, source = calibration_inputs(args.calibrate, model, config), args.calibrate
+                else:  # random weights have no training data: the kit's own random rows stand for it
+                    gen = torch.Generator().manual_seed(config.seed)
+                    probes = [factory.probe_batch(256, gen) for _ in range(-(-dense.CALIBRATION_ROWS // 256))]
+                    inputs, source = dense.calibration_inputs(model, probes), f"{dense.CALIBRATION_ROWS} random rows"
+                torch.save(inputs, calibration := Path(tmp) / CALIBRATION_FILE)
                 extra.append(str(calibration))
-                print(f"[build] int8 dense half: static activation scales from {args.calibrate} ({CALIBRATION_FILE})",
+                print(f"[build] int8 dense half: static activation scales from {source} ({CALIBRATION_FILE})",
                       flush=True)
-            elif config.dense_precision == "int8" and not args.checkpoint:
-                # Random weights have no training data: the kit's own random rows stand for it.
-                calibration = Path(tmp) / CALIBRATION_FILE
-                gen = torch.Generator().manual_seed(config.seed)
-                probes = [factory.probe_batch(256, gen) for _ in range(-(-dense.CALIBRATION_ROWS // 256))]
-                torch.save(dense.calibration_inputs(model, probes), calibration)
-                extra.append(str(calibration))
-                print(f"[build] int8 dense half, random weights: static activation scales from "
-                      f"{dense.CALIBRATION_ROWS} random rows ({CALIBRATION_FILE})", flush=True)
             elif config.dense_precision == "int8":
                 print("[build] int8 dense half without --calibrate: activation scales per batch (dynamic int8)",
                       flush=True)
