@@ -17,7 +17,8 @@ in sequence, ``start`` keeps polling in a thread. Each delta is read, validated 
 the tables' dtype exactly as the archive build converts them (``fused_rows``: torchrec's quantizer
 for fp16/int8/int4, row-wise, so a row's bytes do not depend on its neighbours). CPU tables are
 ``SharedTables``: two sides mapped shared by every worker of the machine, written by one writer
-only into the side no worker reads; a worker flips to the newer side under ``lock``, which the
+(a process of its own, ``writer_main``, run by whichever worker holds the writer's flock) only
+into the side no worker reads; a worker flips to the newer side under ``lock``, which the
 handler holds for each whole batch's forward (``serving``): every request is scored entirely
 before or entirely after a delta. Without a model directory (tests' references) or on a GPU, the
 applier writes its own tables in place under the same lock. See docs/live-updates.md.
@@ -26,11 +27,14 @@ applier writes its own tables in place under the same lock. See docs/live-update
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -49,7 +53,8 @@ DENSE = "dense."
 # Test only: apply without the lock, pausing this many seconds between tables, so that a test can
 # prove its torn-score check catches a torn apply (tests/test_delta_server.py). Never set in serving.
 UNGUARDED_ENV = "DLRM_DELTA_TEST_UNGUARDED_PAUSE_S"
-WRITER_NICE = 10  # the shared tables' writer thread: below the serving threads (DeltaApplier._run_writer)
+WRITER_NICE = 10  # the shared tables' writer process: below the serving workers (writer_main)
+COUNTS_FILE = "writer.counts"  # in delta-state/: the writer process's rows and refusals, for its worker's metrics
 HANDOVER_S = 0.1  # how long a prepared delta waits for the next batch to write it (DeltaApplier.apply)
 REASONS = (
     "format",
@@ -372,20 +377,37 @@ class SharedTables:
     META = "tables.meta"
     LOCK = "writer.lock"
 
-    def __init__(self, qebc: torch.nn.Module, directory: str | Path, base: str):
-        self.tbes = list(qebc._emb_modules)  # type: ignore[union-attr,arg-type]
+    def __init__(
+        self,
+        layout: Mapping[str, tuple[int, int, tuple[int, int], int]],
+        sizes: list[int],
+        directory: str | Path,
+        base: str,
+        tbes: list | None = None,
+    ):
+        # table -> (kernel, byte offset in its weight buffer, (rows, row bytes), row stride)
+        self.layout = {
+            t: (i, off, (int(shape[0]), int(shape[1])), stride) for t, (i, off, shape, stride) in layout.items()
+        }
+        self.sizes = list(sizes)  # bytes of each kernel's weight buffer
         self.dir, self.base = Path(directory), base
         self.dir.mkdir(parents=True, exist_ok=True)
-        # table -> (kernel, byte offset in its weight buffer, (rows, row bytes), row stride)
-        self.layout: dict[str, tuple[int, int, tuple[int, int], int]] = {}
-        for i, (tables, tbe) in enumerate(zip(qebc._key_to_tables.values(), self.tbes)):  # type: ignore
-            start = tbe.weights_host.data_ptr()
-            for cfg, (rows, _, _) in zip(tables, tbe.split_embedding_weights_with_scale_bias(split_scale_bias_mode=0)):
-                self.layout[cfg.name] = (i, rows.data_ptr() - start, tuple(rows.shape), rows.stride(0))
+        self.tbes = tbes or []  # a worker's kernels (flip, create); the writer process has none
         self.initial = [tbe.weights_host for tbe in self.tbes]  # the archive's mapping, until the first flip
         self._maps: dict[int, list[tuple[Any, torch.Tensor]]] = {}
         self._fd: int | None = None
         self.is_writer = False
+
+    @classmethod
+    def of(cls, qebc: torch.nn.Module, directory: str | Path, base: str) -> SharedTables:
+        """The shared tables of a worker's (unsharded, host-memory) quantized EBC."""
+        tbes = list(qebc._emb_modules)  # type: ignore[union-attr,arg-type]
+        layout = {}
+        for i, (tables, tbe) in enumerate(zip(qebc._key_to_tables.values(), tbes)):  # type: ignore
+            start = tbe.weights_host.data_ptr()
+            for cfg, (rows, _, _) in zip(tables, tbe.split_embedding_weights_with_scale_bias(split_scale_bias_mode=0)):
+                layout[cfg.name] = (i, rows.data_ptr() - start, tuple(rows.shape), rows.stride(0))
+        return cls(layout, [tbe.host_size for tbe in tbes], directory, base, tbes)
 
     @staticmethod
     def usable(qebc: torch.nn.Module) -> bool:
@@ -401,9 +423,9 @@ class SharedTables:
 
         if side not in self._maps:
             maps = []
-            for i, tbe in enumerate(self.tbes):
+            for i, size in enumerate(self.sizes):
                 with open(self.path(i, side), "r+b") as f:
-                    m = mmap.mmap(f.fileno(), tbe.host_size)  # MAP_SHARED: every worker's view of one page cache
+                    m = mmap.mmap(f.fileno(), size)  # MAP_SHARED: every worker's view of one page cache
                 m.madvise(mmap.MADV_RANDOM)  # lookups are random: no read-ahead of rows nobody asked for
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", UserWarning)
@@ -446,12 +468,13 @@ class SharedTables:
         """The writer, on a fresh model directory: both sides from this worker's loaded tables."""
         m = self.meta()
         if m is not None and all(
-            self.path(i, s).is_file() and self.path(i, s).stat().st_size == t.host_size
-            for i, t in enumerate(self.tbes)
+            self.path(i, s).is_file() and self.path(i, s).stat().st_size == size
+            for i, size in enumerate(self.sizes)
             for s in (0, 1)
         ):
             return
-        need = 2 * sum(t.host_size for t in self.tbes)
+        assert self.tbes, "only a worker, which holds the loaded tables, makes the sides"
+        need = 2 * sum(self.sizes)
         st = os.statvfs(self.dir)
         if st.f_bavail * st.f_frsize < need + (64 << 20):
             from dlrmkit.errors import ConfigError
@@ -462,9 +485,9 @@ class SharedTables:
             )
         started = time.perf_counter()
         for side in (0, 1):
-            for i, tbe in enumerate(self.tbes):
+            for i, size in enumerate(self.sizes):
                 with open(self.path(i, side), "wb") as f:
-                    f.truncate(tbe.host_size)
+                    f.truncate(size)
                 self._copy(self.initial[i], self.buffers(side)[i])
         self.set_meta(active=0, seq=[0, 0], checked=time.time())
         logger.info(
@@ -503,6 +526,211 @@ class SharedTables:
         return sides
 
 
+class TableWriter:
+    """Reads, validates and converts deltas (``checked``, ``convert``) and, for shared tables, writes
+    them into the free side (``write_round``). A worker uses one for its own tables and for its
+    catch-up at start; while the workers serve, a machine's shared tables are written by one in a
+    process of its own (``writer_main``), so that its Python never holds a serving worker's GIL.
+
+    ``widths``: table -> bytes of a row in the fused kernel. ``on_rows(n)`` / ``on_refused(reason)``:
+    what to count (the worker's metrics, or the writer process's counts file).
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        target: Target,
+        dtype: str,
+        widths: Mapping[str, int],
+        shared: SharedTables | None = None,
+        on_rows: Any = None,
+        on_refused: Any = None,
+    ):
+        self.directory, self.target, self.dtype, self.widths = Path(directory), target, dtype, dict(widths)
+        self.shared = shared
+        self.on_rows = on_rows or (lambda n: None)
+        self.on_refused = on_refused or (lambda reason: None)
+        self.refused: dict[int, tuple[tuple[int, int], str]] = {}  # sequence -> (file stat, reason)
+        self._gap_logged = 0
+        self._cache: dict[int, list[Write]] = {}  # converted deltas, for the other side
+        pause = os.environ.get(UNGUARDED_ENV)
+        self.unguarded_pause = float(pause) if pause else None
+
+    def convert(self, d: Delta, sequence: int) -> list[Write]:
+        """Validate ``d`` against the model and convert its rows to the tables' bytes."""
+        self.target.check(d, sequence)
+        fused = fused_rows({t: rows for t, (_, rows) in d.tables.items()}, self.dtype)
+        writes = []
+        for t, (ids, _) in d.tables.items():
+            if t in fused:
+                src, width = fused[t], self.widths[t]
+                if src.shape[1] > width:
+                    raise DeltaError("shape", f"{t}: converted rows are {src.shape[1]} bytes, the table's {width}")
+                # Whole rows, the kernel's padding zero-filled as the build leaves it: one contiguous
+                # row copy each (a strided write of part rows took ~10x longer under the lock)
+                writes.append((t, ids, torch.nn.functional.pad(src, (0, width - src.shape[1]))))
+        return writes
+
+    def checked(self, seq: int, ready: dict[int, Path], prepare: Any = None) -> Prepared | None:
+        """Delta ``seq`` read and made ready by ``prepare(delta, seq)`` (default: converted rows), or
+        None (missing, or refused: logged, counted)."""
+        if seq not in ready:
+            later = [s for s in ready if s > seq]
+            if later and self._gap_logged != seq:
+                logger.warning("delta %08d is missing while %d later ones are visible: waiting for it", seq, len(later))
+                self._gap_logged = seq
+            return None
+        path = delta_path(self.directory, seq)
+        try:
+            st = path.stat()
+            stamp = (st.st_size, st.st_mtime_ns)
+        except FileNotFoundError:
+            stamp = (-1, 0)
+        if seq in self.refused and self.refused[seq][0] == stamp:
+            return None  # refused as it is: wait for a replacement (renamed over it)
+        try:
+            if stamp[0] < 0:
+                raise DeltaError("corrupt", "its .ready marker is there but the delta file is not")
+            d = read_delta(path)
+            return prepare(d, seq) if prepare else Prepared(d, self.convert(d, seq), {})
+        except DeltaError as e:
+            self.refused[seq] = (stamp, e.reason)
+            logger.error(
+                "delta %s REFUSED (%s): %s; the model is unchanged, waiting for a valid delta %08d",
+                path.name,
+                e.reason,
+                e,
+                seq,
+            )
+            self.on_refused(e.reason)
+            return None
+
+    def write_round(self) -> bool:
+        """The next visible deltas (up to 16) into the free side, which becomes active."""
+        sh = self.shared
+        assert sh is not None and sh.is_writer
+        sh.create()
+        m = sh.meta()
+        assert m is not None
+        active, seqs = m["active"], list(m["seq"])
+        cur = seqs[active]
+        ready = ready_sequences(self.directory)
+        target = active if self.unguarded_pause is not None else 1 - active
+        if cur + 1 not in ready or (target != active and target in sh.readers()):
+            sh.set_meta(checked=time.time())  # nothing to do, or a worker still reads the free side: next poll
+            return False
+        started = time.perf_counter()
+        batch: list[Prepared] = []
+        while len(batch) < 16 and (p := self.checked(cur + 1 + len(batch), ready)) is not None:
+            batch.append(p)
+        if not batch:
+            sh.set_meta(checked=time.time())
+            return False
+        views = sh.views(target)
+        if target != active:
+            sh.set_meta(seq=[None if s == target else q for s, q in enumerate(seqs)])  # being written
+            if not self._replay(views, seqs[target], cur):
+                sh.copy_side(active, target)
+        for p in batch:
+            for table, ids, src in p.writes:
+                _write(views[table], ids, src)
+                if self.unguarded_pause is not None:  # the test-only torn apply: the active side, pausing
+                    time.sleep(self.unguarded_pause)
+            self._cache[p.delta.sequence] = p.writes  # type: ignore[union-attr]
+        seqs[target] = batch[-1].delta.sequence  # type: ignore[union-attr]
+        sh.set_meta(active=target, seq=seqs, checked=time.time())
+        self._cache = {s: w for s, w in self._cache.items() if s > cur}
+        for p in batch:
+            d = p.delta
+            assert d is not None
+            self.on_rows(d.rows)
+            _log_applied(d, started, f" into shared tables side {target}")
+        return True
+
+    def _replay(self, views: dict[str, torch.Tensor], have: int | None, want: int) -> bool:
+        """Bring a side from sequence ``have`` to ``want`` (the deltas the other side already has);
+        False: it cannot (half written, or a delta no longer readable): copy the other side instead."""
+        if have is None or have > want:
+            return False
+        for seq in range(have + 1, want + 1):
+            writes = self._cache.get(seq)
+            if writes is None:
+                try:
+                    writes = self.convert(read_delta(delta_path(self.directory, seq)), seq)
+                except DeltaError:
+                    return False
+            for table, ids, src in writes:
+                _write(views[table], ids, src)
+        return True
+
+
+def _log_applied(d: Delta, started: float, extra: str) -> None:
+    logger.info(
+        "delta %s applied: %d rows in %d table(s)%s, %.1f ms%s",
+        d.path.name,
+        d.rows,
+        len(d.tables),
+        ", dense parameters" if d.dense else "",
+        (time.perf_counter() - started) * 1000,
+        extra,
+    )
+
+
+def writer_main(argv: list[str] | None = None) -> None:
+    """The shared tables' writer, a process of its own (``DeltaApplier._tend_writer`` starts it with
+    a spec file and the flock it holds): write rounds every ``poll_s`` until its worker exits."""
+    import ctypes
+    import signal
+
+    spec = json.loads(Path((argv if argv is not None else sys.argv[1:])[0]).read_text())
+    try:  # PR_SET_PDEATHSIG: killed with its worker, so that it never writes for a dead one
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s delta writer: %(message)s")
+    logger.setLevel(logging.INFO)  # its own lines; the libraries' at WARNING
+    os.nice(WRITER_NICE)  # the whole process below the serving workers (no GIL shared with them)
+    torch.set_num_threads(1)
+    t = spec["target"]
+    target = Target(
+        t["model"],
+        t["base"],
+        {k: (int(v[0]), int(v[1])) for k, v in t["tables"].items()},
+        {k: tuple(v) for k, v in t["dense"].items()},
+        t["dense_refused"],
+    )
+    shared = SharedTables(spec["layout"], spec["sizes"], spec["state_dir"], spec["base"])
+    shared._fd, shared.is_writer = spec["fd"], True  # the worker's flock, inherited: held while either lives
+    counts: dict[str, Any] = {"pid": os.getpid(), "rows": 0, "refused": {}}
+
+    def save() -> None:
+        tmp = shared.dir / f".{COUNTS_FILE}.tmp"
+        tmp.write_text(json.dumps(counts))
+        os.replace(tmp, shared.dir / COUNTS_FILE)
+
+    def on_rows(n: int) -> None:
+        counts["rows"] += n
+        save()
+
+    def on_refused(reason: str) -> None:
+        counts["refused"][reason] = counts["refused"].get(reason, 0) + 1
+        save()
+
+    widths = {name: shape[1] for name, (_, _, shape, _) in shared.layout.items()}
+    writer = TableWriter(spec["directory"], target, spec["dtype"], widths, shared, on_rows, on_refused)
+    dim = next(iter(target.tables.values()))[1]
+    fused_rows({"warm": torch.zeros(1, dim)}, spec["dtype"])  # its imports and set-up before the first delta
+    save()
+    logger.info("writing the shared tables in %s for worker %d (pid %d)", shared.dir, spec["parent"], os.getpid())
+    while os.getppid() == spec["parent"]:
+        try:
+            while writer.write_round():
+                pass
+        except Exception:  # never let the writer die: log, wait, retry
+            logger.exception("unexpected error (retrying in %.1f s)", spec["poll_s"])
+        time.sleep(spec["poll_s"])
+
+
 class DeltaApplier:
     """Follows a delta directory for one served model (one per worker).
 
@@ -531,36 +759,37 @@ class DeltaApplier:
         from dlrmkit.scale import fused_tables
 
         self.model, self.config, self.factory = model, config, factory
-        self.directory, self.target, self.poll_s, self.metrics = Path(directory), target, poll_s, metrics
+        self.target, self.poll_s, self.metrics = target, poll_s, metrics
         qebc: Any = model.sparse_arch.embedding_bag_collection  # type: ignore[union-attr]
         self.views = {k.rsplit(".", 2)[-2]: v for k, v in fused_tables(qebc).items()}
         self.lock = threading.Lock()
         self.applied = 0
         self.rows_applied = 0
-        self.refused: dict[int, tuple[tuple[int, int], str]] = {}  # sequence -> (file stat, reason)
         self.model_dir = Path(state_dir) if state_dir else Path(".")  # the archive's files (calibration)
         self.state_file = Path(state_dir) / STATE_DIR / f"{worker or os.getpid()}.json" if state_dir else None
         self.shared = (
-            SharedTables(qebc, Path(state_dir) / STATE_DIR, target.base)
+            SharedTables.of(qebc, Path(state_dir) / STATE_DIR, target.base)
             if (state_dir and SharedTables.usable(qebc))
             else None
         )
         self.side: int | None = None  # the shared side this worker reads (None: its own tables)
-        self._cache: dict[int, list[Write]] = {}  # the writer's converted deltas, for the other side
+        widths = {t: v.shape[1] for t, v in self.views.items()}
+        self.writer = TableWriter(
+            directory, target, config.embedding_dtype, widths, self.shared, self._count_rows, self._count_refused
+        )
         self._started = time.time()
         self._joined = False
-        self._gap_logged = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._writer: threading.Thread | None = None  # shared tables: the writer's thread (start)
+        self._child: subprocess.Popen | None = None  # shared tables: the writer process (_tend_writer)
+        self._child_counts: dict[str, Any] = {}  # what its counts file said when last relayed
         self._last_gauges = 0.0
         self._locked_ms = 0.0
         self._pending: Prepared | None = None  # prepared, to be written by the next batch (apply)
         self._taken = threading.Event()
         self._last_served = -1e9
         self.applied_at = time.time()
-        pause = os.environ.get(UNGUARDED_ENV)
-        self.unguarded_pause = float(pause) if pause else None
+        self.unguarded_pause = self.writer.unguarded_pause
         if self.unguarded_pause is not None:
             logger.warning(
                 "%s is set: deltas are applied WITHOUT the lock (a test of the torn-score check)", UNGUARDED_ENV
@@ -585,44 +814,101 @@ class DeltaApplier:
             pass
         return self.applied - before
 
+    @property
+    def directory(self) -> Path:
+        return self.writer.directory
+
+    @directory.setter
+    def directory(self, path: str | Path) -> None:  # one directory for the applier and its writer
+        self.writer.directory = Path(path)
+
+    @property
+    def refused(self) -> dict[int, tuple[tuple[int, int], str]]:
+        """Sequence -> (file stat, reason) of the deltas this worker refused."""
+        return self.writer.refused
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="dlrm-delta-watcher", daemon=True)
         self._thread.start()
-        if self.shared is not None:
-            self._writer = threading.Thread(target=self._run_writer, name="dlrm-delta-writer", daemon=True)
-            self._writer.start()
 
     def stop(self) -> None:
         self._stop.set()
-        for t in (self._thread, self._writer):
-            if t:
-                t.join(timeout=10)
+        if self._thread:
+            self._thread.join(timeout=10)
+        if self._child is not None and self._child.poll() is None:
+            self._child.kill()
+            self._child.wait(timeout=10)
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
                 self.catch_up()
+                self._tend_writer()
                 self._gauges()
             except Exception:  # never let the watcher die: log, wait, retry
                 logger.exception("delta watcher: unexpected error (retrying in %.1f s)", self.poll_s)
             self._stop.wait(self.poll_s)
 
-    def _run_writer(self) -> None:
-        """Shared tables: reading, converting and writing deltas in a thread of its own at a lower
-        priority, so that the batches of this worker and the others come first (it takes no lock
-        a batch needs; measured: results/deltas.md)."""
+    def _tend_writer(self) -> None:
+        """Shared tables, once serving: the worker that holds the writer's flock runs the writes in a
+        child process at a lower priority (``writer_main``), started again if it exits. A thread of
+        this worker did it before: measured, its Python held the serving thread's GIL while the
+        scheduler ran other processes first (a stall of up to 65 ms per delta with both CPUs busy,
+        9 ms from a process; results/deltas.md)."""
+        if self.shared is None or self._stop.is_set() or not self.shared.take_writer():
+            return
+        if self._child is not None:
+            self._relay_counts()
+            if self._child.poll() is None:
+                return
+            logger.error(
+                "delta writer process %d exited (%s): starting another", self._child.pid, self._child.returncode
+            )
+        spec = {
+            "directory": str(self.directory),
+            "state_dir": str(self.shared.dir),
+            "base": self.shared.base,
+            "layout": self.shared.layout,
+            "sizes": self.shared.sizes,
+            "dtype": self.config.embedding_dtype,
+            "poll_s": self.poll_s,
+            "parent": os.getpid(),
+            "fd": self.shared._fd,
+            "target": dataclasses.asdict(self.target),
+        }
+        path = self.shared.dir / f"writer-{os.getpid()}.spec"
+        path.write_text(json.dumps(spec))
+        # the worker's import path (its model directory holds the handler's modules)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        code = "from dlrmkit.delta import writer_main; writer_main()"
+        self._child = subprocess.Popen([sys.executable, "-c", code, str(path)], pass_fds=(spec["fd"],), env=env)
+        self._child_counts = {}
+
+    def _relay_counts(self) -> None:
+        """The writer process's new rows and refusals since the last look, into this worker's metrics."""
+        assert self.shared is not None and self._child is not None
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-        except OSError as e:
-            logger.warning("delta writer: cannot lower its priority (%s)", e)
-        assert self.shared is not None
-        while not self._stop.is_set():
-            try:
-                while self.shared.take_writer() and self._write_round() and not self._stop.is_set():
-                    pass
-            except Exception:
-                logger.exception("delta writer: unexpected error (retrying in %.1f s)", self.poll_s)
-            self._stop.wait(self.poll_s)
+            now = json.loads((self.shared.dir / COUNTS_FILE).read_text())
+        except (OSError, ValueError):
+            return
+        if now.get("pid") != self._child.pid:
+            return  # not yet written by this child
+        seen = self._child_counts or {"rows": 0, "refused": {}}
+        if now["rows"] > seen["rows"]:
+            self._count_rows(now["rows"] - seen["rows"])
+        for reason, n in now["refused"].items():
+            for _ in range(n - seen["refused"].get(reason, 0)):
+                self._count_refused(reason)
+        if now != seen:
+            self._child_counts = now
+            self._write_state()
+
+    def _count_rows(self, n: int) -> None:
+        self.rows_applied += n
+        self._emit_counter("dlrm_delta_rows_total", n)
+
+    def _count_refused(self, reason: str) -> None:
+        self._emit_counter("dlrm_deltas_refused_total", 1, Reason=reason)
 
     def lag_seconds(self, ready: dict[int, Path] | None = None) -> float:
         """Seconds since the oldest visible delta not yet applied became visible (0: caught up)."""
@@ -636,36 +922,7 @@ class DeltaApplier:
             return 0.0
 
     def _checked(self, seq: int, ready: dict[int, Path]) -> Prepared | None:
-        """Delta ``seq`` read, validated and converted, or None (missing, or refused: logged, counted)."""
-        if seq not in ready:
-            later = [s for s in ready if s > seq]
-            if later and self._gap_logged != seq:
-                logger.warning("delta %08d is missing while %d later ones are visible: waiting for it", seq, len(later))
-                self._gap_logged = seq
-            return None
-        path = delta_path(self.directory, seq)
-        try:
-            st = path.stat()
-            stamp = (st.st_size, st.st_mtime_ns)
-        except FileNotFoundError:
-            stamp = (-1, 0)
-        if seq in self.refused and self.refused[seq][0] == stamp:
-            return None  # refused as it is: wait for a replacement (renamed over it)
-        try:
-            if stamp[0] < 0:
-                raise DeltaError("corrupt", "its .ready marker is there but the delta file is not")
-            return self.prepare(read_delta(path), seq)
-        except DeltaError as e:
-            self.refused[seq] = (stamp, e.reason)
-            logger.error(
-                "delta %s REFUSED (%s): %s; the model is unchanged, waiting for a valid delta %08d",
-                path.name,
-                e.reason,
-                e,
-                seq,
-            )
-            self._emit_counter("dlrm_deltas_refused_total", 1, Reason=e.reason)
-            return None
+        return self.writer.checked(seq, ready, self.prepare)
 
     def poll_once(self) -> bool:
         """Look at the directory once; apply the next delta if it is there and valid (shared tables:
@@ -673,29 +930,19 @@ class DeltaApplier:
         if self.shared is not None:
             if not self._joined:
                 self._join()
-            wrote = self._writer is None and self.shared.take_writer() and self._write_round()
+            # before ``start`` (the catch-up at start) the writer worker writes itself; once serving,
+            # its writer process does (_tend_writer)
+            wrote = self._thread is None and self.shared.take_writer() and self.writer.write_round()
             return self._follow() or wrote
         started = time.perf_counter()
         prepared = self._checked(self.applied + 1, ready_sequences(self.directory))
         if prepared is None:
             return False
         self.apply(prepared)
-        self._log_applied(prepared.delta, started)  # type: ignore[arg-type]
-        self._emit_counter("dlrm_delta_rows_total", prepared.delta.rows)  # type: ignore[union-attr]
-        self.rows_applied += prepared.delta.rows  # type: ignore[union-attr]
+        _log_applied(prepared.delta, started, f" ({self._locked_ms:.1f} ms under the lock)")  # type: ignore[arg-type]
+        self._count_rows(prepared.delta.rows)  # type: ignore[union-attr]
         self._gauges(force=True)
         return True
-
-    def _log_applied(self, d: Delta, started: float, extra: str = "") -> None:
-        logger.info(
-            "delta %s applied: %d rows in %d table(s)%s, %.1f ms%s",
-            d.path.name,
-            d.rows,
-            len(d.tables),
-            ", dense parameters" if d.dense else "",
-            (time.perf_counter() - started) * 1000,
-            extra or f" ({self._locked_ms:.1f} ms under the lock)",
-        )
 
     # -- shared tables -------------------------------------------------------------------------
 
@@ -771,89 +1018,18 @@ class DeltaApplier:
                     return {k[len(DENSE) :]: f.get_tensor(k) for k in keys}
         return None
 
-    def _write_round(self) -> bool:
-        """The writer: the next visible deltas (up to 16) into the free side, which becomes active."""
-        sh = self.shared
-        assert sh is not None
-        sh.create()
-        m = sh.meta()
-        assert m is not None
-        active, seqs = m["active"], list(m["seq"])
-        cur = seqs[active]
-        ready = ready_sequences(self.directory)
-        target = active if self.unguarded_pause is not None else 1 - active
-        if cur + 1 not in ready or (target != active and target in sh.readers()):
-            sh.set_meta(checked=time.time())  # nothing to do, or a worker still reads the free side: next poll
-            return False
-        started = time.perf_counter()
-        batch: list[Prepared] = []
-        while len(batch) < 16 and (p := self._checked(cur + 1 + len(batch), ready)) is not None:
-            batch.append(p)
-        if not batch:
-            sh.set_meta(checked=time.time())
-            return False
-        views = sh.views(target)
-        if target != active:
-            sh.set_meta(seq=[None if s == target else q for s, q in enumerate(seqs)])  # being written
-            if not self._replay(views, seqs[target], cur):
-                sh.copy_side(active, target)
-        for p in batch:
-            for table, ids, src in p.writes:
-                _write(views[table], ids, src)
-                if self.unguarded_pause is not None:  # the test-only torn apply: the active side, pausing
-                    time.sleep(self.unguarded_pause)
-            self._cache[p.delta.sequence] = p.writes  # type: ignore[union-attr]
-        seqs[target] = batch[-1].delta.sequence  # type: ignore[union-attr]
-        sh.set_meta(active=target, seq=seqs, checked=time.time())
-        self._cache = {s: w for s, w in self._cache.items() if s > cur}
-        for p in batch:
-            d = p.delta
-            assert d is not None
-            self.rows_applied += d.rows
-            self._emit_counter("dlrm_delta_rows_total", d.rows)
-            self._log_applied(d, started, f" into shared tables side {target}")
-        return True
-
-    def _replay(self, views: dict[str, torch.Tensor], have: int | None, want: int) -> bool:
-        """Bring a side from sequence ``have`` to ``want`` (the deltas the other side already has);
-        False: it cannot (half written, or a delta no longer readable): copy the other side instead."""
-        if have is None or have > want:
-            return False
-        for seq in range(have + 1, want + 1):
-            writes = self._cache.get(seq)
-            if writes is None:
-                try:
-                    writes = self.prepare(read_delta(delta_path(self.directory, seq)), seq).writes
-                except DeltaError:
-                    return False
-            for table, ids, src in writes:
-                _write(views[table], ids, src)
-        return True
-
     # -- both ----------------------------------------------------------------------------------
 
     def prepare(self, d: Delta, sequence: int) -> Prepared:
         """Validate ``d`` against the model and convert it; nothing served changes."""
-        self.target.check(d, sequence)
-        fused = fused_rows({t: rows for t, (_, rows) in d.tables.items()}, self.config.embedding_dtype)
-        writes = []
-        for t, (ids, _) in d.tables.items():
-            if t in fused:
-                view = self.views[t]
-                src = fused[t]
-                if src.shape[1] > view.shape[1]:
-                    raise DeltaError(
-                        "shape", f"{t}: converted rows are {src.shape[1]} bytes, the table's {view.shape[1]}"
-                    )
-                # Whole rows, the kernel's padding zero-filled as the build leaves it: one contiguous
-                # row copy each (a strided write of part rows took ~10x longer under the lock)
-                src = torch.nn.functional.pad(src, (0, view.shape[1] - src.shape[1]))
-                if self.shared is None and view.device.type == "cpu":
-                    # The first write to a page of the memory-mapped archive copies it (copy on write):
-                    # rewrite the rows' current bytes now, outside the lock, so the locked write only
-                    # copies. Safe while serving: the bytes a forward may read do not change.
-                    view.index_copy_(0, ids, view.index_select(0, ids))
-                writes.append((t, ids, src))
+        writes = self.writer.convert(d, sequence)
+        for table, ids, _ in writes:
+            view = self.views[table]
+            if self.shared is None and view.device.type == "cpu":
+                # The first write to a page of the memory-mapped archive copies it (copy on write):
+                # rewrite the rows' current bytes now, outside the lock, so the locked write only
+                # copies. Safe while serving: the bytes a forward may read do not change.
+                view.index_copy_(0, ids, view.index_select(0, ids))
         dense = self._dense_parts(d.dense) if d.dense and self.shared is None else {}
         return Prepared(d, writes, dense)
 
@@ -1035,6 +1211,9 @@ def start_watcher(handler: Any, context: Any, dense: str, devices: list) -> Delt
         model_dir,
     )
     started = time.perf_counter()
+    # The first conversion pays ~1 s of imports and set-up (measured: 1.1 s for 1,000 int8 rows, then
+    # 7 ms for 10,000): paid here, before the worker reports ready, not beside the first delta's batches
+    fused_rows({"warm": torch.zeros(1, config.embedding_dim)}, config.embedding_dtype)
     n = applier.catch_up()
     logger.info(
         "live updates from %s (base %s): %d delta(s) applied at start in %.1f s, now at sequence %d",

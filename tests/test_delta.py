@@ -350,6 +350,8 @@ def test_workers_share_one_writer_and_it_never_writes_the_side_a_worker_reads(tm
         dense, kjt = batch(64, seed=5)
         write_delta(a.directory, "dlrm", base, 1, deltas[0])
         wait_until(lambda: a.applied, lambda s: s == 1)
+        writer = a._child  # a's writes run in a process of its own, not in a thread beside its batches
+        assert writer is not None and writer.poll() is None and writer.pid != os.getpid()
         assert b.catch_up() == 1 and b.rows_applied == 0  # b wrote nothing: it reads a's writes
         torch.testing.assert_close(forward(b.model, dense, kjt), forward(a.model, dense, kjt))
         assert {a.side, b.side} == {1} and a.model is not b.model
@@ -384,6 +386,29 @@ def test_workers_share_one_writer_and_it_never_writes_the_side_a_worker_reads(tm
     finally:
         a.stop()
         b.stop()
+
+
+def test_the_writer_process_is_started_again_when_it_exits(tmp_path, model):
+    """A writer process that dies (killed, out of memory) is replaced by its worker, which still
+    holds the writer's flock; the stream goes on from where it was."""
+    from helpers import wait_until
+
+    a, base = applier(tmp_path, model, "int8")
+    a.poll_s = 0.02
+    a.catch_up()
+    a.start()
+    try:
+        first = wait_until(lambda: a._child, lambda c: c is not None)
+        first.kill()
+        first.wait()
+        step = trained_further(model, seed=1, rows=3)
+        write_delta(a.directory, "dlrm", base, 1, diff(model, step, dense=False)[0])
+        assert wait_until(lambda: a.applied, lambda s: s == 1) == 1
+        assert a._child.pid != first.pid and a._child.poll() is None and a.shared.is_writer
+        assert a.rows_applied == 3 * 3  # relayed from the new process: 3 rows in each of 3 tables
+    finally:
+        a.stop()
+    assert a._child.poll() is not None  # stopped with its worker
 
 
 def test_tables_mapped_read_only_take_deltas_into_the_shared_sides(tmp_path, monkeypatch):

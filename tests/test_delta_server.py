@@ -135,7 +135,11 @@ def test_every_worker_applies_the_deltas_in_order(live):
     # One copy of the tables for both workers: each maps the shared side files, one of them wrote
     pids = srv.worker_pids("dlrm")
     state_dir = Path(os.readlink(f"/proc/{pids[0]}/cwd")) / "delta-state"
-    states = [json.loads((state_dir / f"{pid}.json").read_text()) for pid in pids]
+    # the writer worker counts its writer process's rows at its next poll
+    states = wait_until(
+        lambda: [json.loads((state_dir / f"{pid}.json").read_text()) for pid in pids],
+        lambda states: sorted(s["rows_applied"] > 0 for s in states) == [False, True],
+    )
     assert len({s["buffer"] for s in states}) == 1 and None not in {s["buffer"] for s in states}, states
     assert sorted(s["rows_applied"] > 0 for s in states) == [False, True], states
     for pid in pids:
@@ -175,13 +179,32 @@ def test_bad_deltas_are_refused_and_the_stream_resumes(live):
     assert_serving(srv, refs, 6)
 
 
+def writer_processes() -> dict[int, int]:
+    """The shared tables' writer processes on this machine (dlrmkit.delta.writer_main): pid -> parent pid."""
+    out = {}
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and b"writer_main" in (p / "cmdline").read_bytes():
+                out[int(p.name)] = int(re.search(r"PPid:\s+(\d+)", (p / "status").read_text()).group(1))
+        except (OSError, AttributeError):  # exited meanwhile
+            continue
+    return out
+
+
 def test_a_restarted_worker_comes_up_with_every_delta(live):
+    """The writer worker killed: its writer process goes with it (never writing for a dead worker),
+    the other worker or the new one takes over, and the new worker serves every delta."""
     srv, refs, base = live
     old = srv.worker_pids("dlrm")
-    os.kill(old[0], signal.SIGKILL)
-    wait_until(lambda: srv.worker_pids("dlrm"), lambda p: old[0] not in p and len(p) == 2, timeout=120)
+    writers = wait_until(writer_processes, lambda w: len(w) == 1)
+    assert len(writers) == 1 and set(writers.values()) <= set(old), (writers, old)
+    ((child, parent),) = writers.items()
+    os.kill(parent, signal.SIGKILL)
+    wait_until(lambda: srv.worker_pids("dlrm"), lambda p: parent not in p and len(p) == 2, timeout=120)
     pids = srv.wait_workers_ready("dlrm", 2, timeout=240)
-    assert old[0] not in pids
+    assert parent not in pids
+    now = wait_until(writer_processes, lambda w: child not in w and len(w) == 1 and set(w.values()) <= set(pids))
+    assert child not in now and len(now) == 1 and set(now.values()) <= set(pids), (now, pids)
     meta = at(srv, 6)
     assert sorted(map(int, meta["delta_sequences"])) == sorted(pids)
     for _ in range(3):  # both workers answer (TorchServe spreads the requests)
