@@ -97,9 +97,9 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         self.model, dense = dense_half.prepare(self.model, self.config, model_dir, devices)
         frozen = factory.freeze_dense(self.model) if len(devices) == 1 and dense.startswith("fp32") else []
         if self.config.large_batch_rows and not dense.startswith("fp32"):
-            logger.warning("handler.large_batch_rows with a compiled dense half: its kernels were made for %d "
-                           "thread(s); a forward on more makes new ones (DLRMv2 int8 on AMX: p99 3.4x at 10 q/s, "
-                           "docs/performance.md)", self.threads)
+            logger.warning("handler.large_batch_rows with a compiled dense half: measured worse than %d thread(s) "
+                           "per forward even with its kernels for more made at start (DLRMv2 int8 on AMX: p99 120 vs "
+                           "75 ms at 10 q/s, docs/performance.md)", self.threads)
         self.parser = RequestParser(self.config)
         model = (self.manifest or {}).get("model", {})
         self.model_id = (model.get("modelName", "dlrm"), str(model.get("modelVersion", "1.0")))
