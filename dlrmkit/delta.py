@@ -853,7 +853,7 @@ class DeltaApplier:
         """Shared tables, once serving: the worker that holds the writer's flock runs the writes in a
         child process at a lower priority (``writer_main``), started again if it exits. A thread of
         this worker did it before: measured, its Python held the serving thread's GIL while the
-        scheduler ran other processes first (a stall of up to 65 ms per delta with both CPUs busy,
+        scheduler ran other processes first (a batch stalled up to 86 ms with both CPUs busy,
         9 ms from a process; results/deltas.md)."""
         if self.shared is None or self._stop.is_set() or not self.shared.take_writer():
             return
