@@ -7,7 +7,8 @@ scripts/train.py trains each model (synthetic clicks with a learnable signal); i
 (verify.jsonl, parsed and collated as the handler does) are scored by the served fp32 model (the
 archive's fused tables, as a worker loads them) and by its dense half at bf16, int8 static
 (calibrated on the verify file itself, the optimistic reading build_mar.py refuses, or on 512 training
-rows) and int8 dynamic (no calibration): dlrmkit.dense.contract, AUC >= 99.9% of fp32 with the max
+rows) and int8 dynamic (no calibration), and with int8 tables (row-wise, as the archive build
+quantizes them) under an fp32 and an int8 dense half: dlrmkit.dense.contract, AUC >= 99.9% of fp32 with the max
 and p99 |delta probability|. A precision this CPU has no instructions for would be served as fp32
 (dlrmkit.dense.unsupported); it is compiled anyway here ("forced"): what the rule guards against.
 In-process rather than through build_mar.py --verify: the same functions, without one archive per row.
@@ -16,6 +17,7 @@ In-process rather than through build_mar.py --verify: the same functions, withou
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -37,12 +39,14 @@ MODELS = {
     "dlrmv2": "--interaction dcn --num-sparse 26 --rows 1000 --dim 128 --dense-arch 512,256,128 "
     "--over-arch 1024,1024,512,256,1 --dcn-num-layers 3 --dcn-low-rank-dim 512 --steps 150 --lr 0.005",
 }
-# (precision, where int8's static activation scales come from)
+# (tables' embedding_dtype, dense precision, where int8's static activation scales come from)
 PRECISIONS = (
-    ("bf16", "-"),
-    ("int8", "the verify file itself (optimistic: build_mar.py refuses it)"),
-    ("int8", "512 training rows"),
-    ("int8", "none: dynamic, scales per batch"),
+    ("fp32", "bf16", "-"),
+    ("fp32", "int8", "the verify file itself (optimistic: build_mar.py refuses it)"),
+    ("fp32", "int8", "512 training rows"),
+    ("fp32", "int8", "none: dynamic, scales per batch"),
+    ("int8", "fp32", "-"),
+    ("int8", "int8", "512 training rows"),
 )
 
 
@@ -92,19 +96,25 @@ def contract_model(name: str, heldout: int, tmp: Path) -> dict:
 
     fp32 = scores(factory.load(weights))
     trainer = [s for doc in lines for s in doc["scores"]]
+    # the same trained weights in an archive with int8 tables, loaded as a worker loads it
+    cfg8 = dataclasses.replace(cfg, embedding_dtype="int8")
+    factory8, weights8 = DLRMFactory(cfg8), out / "dlrm-int8-tables.pt"
+    torch.save(factory8.archive_state(factory8.load_fp32(state)), weights8)
     rows = []
-    for precision, source in PRECISIONS:
-        model = factory.load(weights)
+    for tables, precision, source in PRECISIONS:
+        model = (factory8 if tables == "int8" else factory).load(weights8 if tables == "int8" else weights)
         calibration = None
         if source.startswith("the verify"):
             calibration = checkpoint.calibration_inputs(verify, model, cfg)
         elif source.startswith("512"):
             calibration = dense.calibration_inputs(model, [(sample.dense_features, sample.sparse_features)])
-        served, what, forced = compiled(model, cfg, precision, calibration)
+        served, what, forced = compiled(model, cfg8 if tables == "int8" else cfg, precision, calibration)
         c = dense.contract(scores(served), fp32, labels)
-        rows.append({"precision": precision, "calibration": source, "forced": forced, "what": what, **c})
+        rows.append(
+            {"tables": tables, "precision": precision, "calibration": source, "forced": forced, "what": what, **c}
+        )
         log(
-            f"{name} {precision} ({source}): AUC {c['auc']:.5f} vs fp32 {c['auc_fp32']:.5f}, ratio "
+            f"{name} tables {tables}, dense {precision} ({source}): AUC {c['auc']:.5f} vs fp32 {c['auc_fp32']:.5f}, ratio "
             f"{c['auc_ratio']:.5f} ({'holds' if c['holds'] else 'BROKEN'}), |dp| max {c['max_dp']:.3g} "
             f"p99 {c['p99_dp']:.3g}"
         )
@@ -147,12 +157,12 @@ def contract_md(doc: dict) -> str:
             f"{m['rows_scored']:,} held-out rows; fp32 AUC {m['auc_fp32']:.5f}; served fp32 vs the trainer's "
             f"scores: max |dp| {m['fp32_vs_trainer_max_dp']:.2g}.",
             "",
-            "| precision | calibration | AUC | fp32 AUC | ratio | holds | max abs dp | p99 abs dp |",
-            "|---|---|---:|---:|---:|---|---:|---:|",
+            "| tables | dense | calibration | AUC | fp32 AUC | ratio | holds | max abs dp | p99 abs dp |",
+            "|---|---|---|---:|---:|---:|---|---:|---:|",
         ]
         for r in m["precisions"]:
             out.append(
-                f"| {r['precision']}{' **forced**' if r['forced'] else ''} | {r['calibration']} | "
+                f"| {r.get('tables', 'fp32')} | {r['precision']}{' **forced**' if r['forced'] else ''} | {r['calibration']} | "
                 f"{r['auc']:.5f} | {r['auc_fp32']:.5f} | {r['auc_ratio']:.5f} | "
                 f"{'yes' if r['holds'] else '**no**'} | {r['max_dp']:.3g} | {r['p99_dp']:.3g} |"
             )

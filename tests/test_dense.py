@@ -271,8 +271,8 @@ def test_the_contract_report_has_a_row_per_precision_and_calibration():
     labels = [0, 1] * 20
     ref = [0.2 + 0.6 * y + 0.001 * i for i, y in enumerate(labels)]
     rows = [
-        {"precision": p, "calibration": s, "forced": True, **dense.contract(ref, ref, labels)}
-        for p, s in script.PRECISIONS
+        {"tables": t, "precision": p, "calibration": s, "forced": True, **dense.contract(ref, ref, labels)}
+        for t, p, s in script.PRECISIONS
     ]
     doc = {
         "command": "x",
@@ -289,5 +289,6 @@ def test_the_contract_report_has_a_row_per_precision_and_calibration():
         ],
     }
     table = [line for line in script.contract_md(doc).splitlines() if "**forced**" in line and line.startswith("|")]
-    assert [line.split(" | ")[1] for line in table] == [s for _, s in script.PRECISIONS]
+    assert [line.split(" | ")[2] for line in table] == [s for *_, s in script.PRECISIONS]
+    assert [line.split(" | ")[0] for line in table] == [f"| {t}" for t, *_ in script.PRECISIONS]
     assert all(" | yes | " in line for line in table)
