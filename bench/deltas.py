@@ -348,25 +348,26 @@ def freshness(tmp: Path, a) -> dict:
         srv.stop()
 
 
-def _writer_work(paths: list[Path], dtype: str, table: torch.Tensor, marks, stop, nice: bool) -> None:
-    """What the writer does per delta, one a second: read and check it, convert it, write its rows."""
-    from dlrmkit.delta import _write, fused_rows, read_delta
+def _writer_work(paths: list[Path], writer, table: torch.Tensor, marks, stop, nice: bool) -> None:
+    """What the writer does per delta, one a second, with its own code (a dlrmkit.delta.TableWriter):
+    read, check and convert it, then write its rows."""
+    from dlrmkit.delta import WRITER_NICE, _write, read_delta
 
     if nice:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # as dlrmkit.delta.WRITER_NICE
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
     i = 0
     while not stop.wait(1.0):
         marks[i % len(marks)] = time.perf_counter()
-        d = read_delta(paths[i % len(paths)])
-        fused = fused_rows({t: r for t, (_, r) in d.tables.items()}, dtype)
-        for t, (ids, _) in d.tables.items():
-            _write(table, ids, torch.nn.functional.pad(fused[t], (0, table.shape[1] - fused[t].shape[1])))
+        for _, ids, src in writer.convert(read_delta(paths[i % len(paths)]), 1):
+            _write(table, ids, src)
         i += 1
 
 
-def _writer_process(paths, dtype, width, rows, marks) -> None:
-    os.nice(10)
-    _writer_work(paths, dtype, torch.zeros(rows, width, dtype=torch.uint8), marks, threading.Event(), False)
+def _writer_process(paths, writer, width, rows, marks) -> None:
+    from dlrmkit.delta import WRITER_NICE
+
+    os.nice(WRITER_NICE)
+    _writer_work(paths, writer, torch.zeros(rows, width, dtype=torch.uint8), marks, threading.Event(), False)
 
 
 def writer_stall(tmp: Path, a) -> list[dict]:
@@ -378,7 +379,7 @@ def writer_stall(tmp: Path, a) -> list[dict]:
     import bisect
     import multiprocessing as mp
 
-    from dlrmkit.delta import fused_rows
+    from dlrmkit.delta import Target, TableWriter, fused_rows
 
     gen = torch.Generator().manual_seed(0)
     names = [f"f{i}" for i in range(a.tables)]
@@ -390,6 +391,8 @@ def writer_stall(tmp: Path, a) -> list[dict]:
         paths.append(write_delta(tmp / f"stall-{n}", "dlrm", "base", 1, tables))
     dtype = "int8"
     width = fused_rows({"warm": torch.zeros(1, a.dim)}, dtype)["warm"].shape[1]  # and its imports, before timing
+    target = Target("dlrm", "base", {t: (a.rows, a.dim) for t in names})
+    writer = TableWriter(tmp, target, dtype, {t: width for t in names})
     ctx = mp.get_context("fork")
     hogs = [ctx.Process(target=_spin, daemon=True) for _ in range(os.cpu_count() or 2)]
     for h in hogs:
@@ -402,10 +405,10 @@ def writer_stall(tmp: Path, a) -> list[dict]:
             if mode == "thread":
                 table = torch.zeros(a.rows, width, dtype=torch.uint8)
                 threading.Thread(
-                    target=_writer_work, args=(paths, dtype, table, marks, stop, True), daemon=True
+                    target=_writer_work, args=(paths, writer, table, marks, stop, True), daemon=True
                 ).start()
             elif mode == "process":
-                child = ctx.Process(target=_writer_process, args=(paths, dtype, width, a.rows, marks), daemon=True)
+                child = ctx.Process(target=_writer_process, args=(paths, writer, width, a.rows, marks), daemon=True)
                 child.start()
             x, w = torch.randn(32, 128), [torch.randn(128, 128) for _ in range(20)]
             batches, end = [], time.perf_counter() + a.stall_seconds
