@@ -203,17 +203,21 @@ def timed_calls(fn, min_s: float, max_calls: int = 2000) -> list[float]:
     return out
 
 
-def raw_caller(cfg, b: int, rng: random.Random):
-    """``caller(model)``: a function that runs one forward of ``model`` on b random single-hot rows."""
+def raw_caller(cfg, b: int, rng: random.Random, bags: list[int] | None = None):
+    """``caller(model)``: a function that runs one forward of ``model`` on b random rows, one id
+    per feature, or with ``bags`` (ids per row, per feature: MLPerf's multi-hot) that many."""
     import torch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     bodies = [make_instance(cfg, rng) for _ in range(b)]
     dense = torch.tensor([i["dense"] for i in bodies], dtype=torch.float32)
-    values = torch.tensor([i["sparse"]["values"] for i in bodies], dtype=torch.int64).t().reshape(-1)
-    kjt = KeyedJaggedTensor(
-        keys=list(cfg.sparse_features), values=values, lengths=torch.ones(cfg.num_features * b, dtype=torch.int64)
-    )
+    if bags is None:
+        values = torch.tensor([i["sparse"]["values"] for i in bodies], dtype=torch.int64).t().reshape(-1)
+        lengths = torch.ones(cfg.num_features * b, dtype=torch.int64)
+    else:  # key-major: feature f's b x bags[f] ids, then the next feature's
+        values = torch.tensor([rng.randrange(n) for n, k in zip(cfg.num_embeddings, bags) for _ in range(b * k)])
+        lengths = torch.tensor([k for k in bags for _ in range(b)], dtype=torch.int64)
+    kjt = KeyedJaggedTensor(keys=list(cfg.sparse_features), values=values, lengths=lengths)
 
     def caller(m):
         def call():
@@ -250,7 +254,7 @@ def unpack(mar: Path, into: Path) -> Path:
     return into
 
 
-def _host_child(conn, cfg_path: str, model_dir: str | None, cpu: int) -> None:
+def _host_child(conn, cfg_path: str, model_dir: str | None, cpu: int, bags: list[int] | None = None) -> None:
     """One single-threaded process on one CPU holding the served model (as a worker loads it),
     or with no ``model_dir`` stock torchrec's fp32 model of the config (its DLRM / DLRM_DCN with an
     unfused EmbeddingBagCollection, eager: what torchrec alone runs, no kit, no server)."""
@@ -268,7 +272,7 @@ def _host_child(conn, cfg_path: str, model_dir: str | None, cpu: int) -> None:
     while (msg := conn.recv()) is not None:
         batch, seconds = msg
         if batch not in callers:
-            callers[batch] = raw_caller(cfg, batch, random.Random(cpu))(model)
+            callers[batch] = raw_caller(cfg, batch, random.Random(cpu), bags)(model)
             callers[batch]()
         t = timed_calls(callers[batch], seconds)
         conn.send((batch * len(t), sum(t)))
@@ -279,20 +283,21 @@ class HostForward:
     processes x 1 thread (each pinned to one CPU) and ``model`` in this process with N threads;
     ``measure`` runs both back to back and the better is the host's limit. With ``model_dir``
     and ``model`` None: stock torchrec's fp32 forward of the config, N processes x 1 thread only
-    (issue 29's anchor for the DLRMv2 target)."""
+    (issue 29's anchor for the DLRMv2 target). Rows carry one id per feature, or with ``bags``
+    that many ids per feature (raw_caller): a multi-hot config is measured on its queries' shape."""
 
-    def __init__(self, cfg_path: Path, model_dir: Path | None, model, cfg):
+    def __init__(self, cfg_path: Path, model_dir: Path | None, model, cfg, bags: list[int] | None = None):
         import multiprocessing
 
         from dlrmkit.cpus import available_cpus
 
         self.cpus = sorted(os.sched_getaffinity(0))[: available_cpus()]
-        self.model, self.cfg = model, cfg
+        self.model, self.cfg, self.bags = model, cfg, bags
         ctx = multiprocessing.get_context("spawn")  # no fork of a process holding torch threads
         self.conns, self.procs = [], []
         for cpu in self.cpus:
             parent, child = ctx.Pipe()
-            args = (child, str(cfg_path), model_dir and str(model_dir), cpu)
+            args = (child, str(cfg_path), model_dir and str(model_dir), cpu, bags)
             p = ctx.Process(target=_host_child, args=args, daemon=True)
             p.start()
             self.conns.append(parent)
@@ -313,7 +318,7 @@ class HostForward:
             before = torch.get_num_threads()
             torch.set_num_threads(n)
             try:
-                t = timed_calls(raw_caller(self.cfg, batch, random.Random(7))(self.model), seconds)
+                t = timed_calls(raw_caller(self.cfg, batch, random.Random(7), self.bags)(self.model), seconds)
             finally:
                 torch.set_num_threads(before)
             threads = batch * len(t) / sum(t)

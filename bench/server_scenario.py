@@ -23,14 +23,16 @@ from __future__ import annotations
 import argparse
 import random
 import signal
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import mlperf
-from common import HostForward, ROOT, build_archive, frontend_pid, load_served, log, machine, serving, unpack
-from common import write_report
+from common import HostForward, ROOT, build_archive, frontend_pid, jit_cpu_seconds, load_served, log, machine
+from common import metric_value, serving
+from common import unpack, write_report
 
 HOST_BATCH = 256
 # Issue 29's targets per config: pairs/s at the bound over an anchor measured in the same run.
@@ -71,8 +73,10 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
     model_dir = unpack(tmp / "store" / f"{name}.mar", tmp / name)
     torch.set_num_threads(1)
     model, dense = load_served(cfg, model_dir)
-    host = HostForward(source, model_dir, model, cfg)
-    stock = HostForward(source, None, None, cfg) if TARGETS.get(key, ("",))[0] == "stock" else None
+    # both forwards run the queries' shape: MLPerf's multi-hot bags for a DCN config
+    bags = mlperf.mlperf_bags(cfg)
+    host = HostForward(source, model_dir, model, cfg, bags)
+    stock = HostForward(source, None, None, cfg, bags) if TARGETS.get(key, ("",))[0] == "stock" else None
     pool = mlperf.query_pool(cfg, args.queries, form=args.form)
     mean_pairs = sum(q.pairs for q in pool) / len(pool)
     try:
@@ -86,12 +90,19 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
         with serving(tmp / f"home-{name}", tmp / "store", {name: probe}, env) as srv:
             url = srv.url + mlperf.path(args.form, name)
             procs = lambda: {"frontend": [frontend_pid(srv)], "workers": srv.worker_pids(name)}  # noqa: E731
-            # The frontend's JIT compiles its paths for these large bodies over many seconds of load.
-            mlperf.run(url, pool, start / 2, args.warm_up, min_queries=1, max_seconds=args.warm_up)
+            warm = warm_up(
+                lambda s: mlperf.run(url, pool, start / 2, s, min_queries=1, max_seconds=s),
+                frontend_pid(srv),
+                args.warm_up,
+                args.warm_up_max,
+            )
 
             def run_at(qps: float) -> dict:
                 out = Path(args.loadgen_dir) / f"{tag}-{qps:.2f}qps.txt"
+                jit0 = jit_cpu_seconds(frontend_pid(srv))
                 r = mlperf.run(url, pool, qps, args.seconds, args.min_queries, args.max_seconds, out, procs)
+                jit = sum(t - jit0.get(tid, 0.0) for tid, t in jit_cpu_seconds(frontend_pid(srv)).items())
+                r["frontend_jit_cpu_us_per_query"] = round(jit / max(1, r["queries"]) * 1e6)
                 why = f" ({', '.join(r['unsatisfied'])} not satisfied)" if r.get("unsatisfied") else ""
                 log(
                     f"  {tag} {qps:.2f} q/s: {'VALID' if r['valid'] else 'INVALID'}{why}, p99 {r.get('p99_ms')} ms, "
@@ -102,6 +113,7 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
             # below min queries / max seconds a rate cannot reach LoadGen's query count: INVALID by the cap
             found = mlperf.search(run_at, start, steps=args.steps, floor=args.min_queries / args.max_seconds)
             workers = len(srv.worker_pids(name))
+            profile = query_profile(srv, name, url, pool, model, cfg, args.form, args.profile_reps)
         after = host.measure(HOST_BATCH, args.host_seconds)
         stock_after = stock.measure(HOST_BATCH, args.host_seconds) if stock else None
     finally:
@@ -111,7 +123,7 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
     host_rows = (before["rows_per_s"] + after["rows_per_s"]) / 2
     best = found["best"] or {"target_qps": 0, "pairs_per_s": 0, "p99_ms": None}
     row = {"config": cfg_path.name, "variant": variant, "form": args.form, "overlay": items, "dense": dense}
-    row["workers"] = workers
+    row.update(workers=workers, warm_up=warm)
     row.update(batch_size=doc.get("batchSize"), pairs_mean=round(mean_pairs, 1), host_before=before, host_after=after)
     row.update(host_rows_per_s=round(host_rows), cpus=before["cpus"], runs=found["runs"], valid_qps=best["target_qps"])
     row.update(
@@ -125,8 +137,186 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
     if anchor:
         row["target"] = {"anchor": anchor, "bound": bound, "ratio": row[f"vs_{anchor}"]}
         row["target"]["met"] = row["target"]["ratio"] >= bound
+    row["profile"] = profile
+    row["cpu_ms_per_query"], row["busy_at_target"] = target_cpu(row)
+    if not row.get("target", {}).get("met", True):
+        row["next_lever"] = next_lever(profile[0], row["cpu_ms_per_query"], row["busy_at_target"])
+        log(f"{tag}: target missed; next lever: {row['next_lever']}")
     log(f"{tag}: highest VALID rate {row['valid_qps']} q/s, {row['pairs_per_s']:,} pairs/s ({row['vs_host']} of host)")
     return row
+
+
+JIT_SETTLED = 0.03  # of one CPU: the frontend's JIT compilers at about this share once its paths are compiled
+
+
+def warm_up(load, frontend: int, seconds: float, most: float) -> dict:
+    """``load(seconds)`` in rounds until the frontend JVM's compiler threads spent under
+    JIT_SETTLED of a CPU in a round, or ``most`` seconds in all: a server that has run a while is
+    what is measured. The JVM compiles its paths for these large bodies over tens of seconds of
+    load (on 2 CPUs ~1.5 s of compiler CPU in the first 10 s of DLRMv2 queries, ~0.15 s per 10 s
+    after ~50 s), taking a CPU from the workers meanwhile."""
+    rounds, spent, share, shares = 0, 0.0, None, []
+    while spent < most:
+        jit0, t0 = jit_cpu_seconds(frontend), time.perf_counter()
+        load(seconds)
+        took = time.perf_counter() - t0
+        share = sum(t - jit0.get(tid, 0.0) for tid, t in jit_cpu_seconds(frontend).items()) / took
+        rounds, spent = rounds + 1, spent + took
+        shares.append(round(share, 4))
+        log(f"  warm-up round {rounds}: {took:.0f} s, the frontend's JIT at {share:.1%} of a CPU")
+        if share < JIT_SETTLED:
+            break
+    return {"seconds": round(spent), "rounds": rounds, "jit_share": round(share or 0.0, 4), "jit_shares": shares}
+
+
+STAGES = ("parse", "collate", "lookup", "dense", "respond")
+
+
+def _stage_ms(model, cfg, query: mlperf.Query, form: str, reps: int) -> dict[str, float]:
+    """Median ms of each stage of one query in this process, on the served model (as a worker
+    loads it, one thread): the kit's own parse (dlrmkit.protocols), collate, the sparse arch
+    (lookup), the rest of the forward (dense: bottom MLP, interaction, top MLP), the answer."""
+    import torch
+
+    from dlrmkit.batch import collate, scores
+    from dlrmkit.forms import RequestParser
+    from dlrmkit.protocols import open_request
+
+    parser, times = RequestParser(cfg), {k: [] for k in STAGES}
+    for i in range(reps + 1):  # the first is a warm-up
+        t0 = time.perf_counter()
+        req = open_request(
+            query.body,
+            form == "v2-binary",
+            query.headers.get(mlperf.BINARY_HEADER),
+            parser,
+            ("m", "1"),
+            query.headers.get("Content-Type"),
+        )
+        parsed = req.parse()
+        t1 = time.perf_counter()
+        batch, bad = collate([parsed], cfg)
+        if bad:
+            raise RuntimeError(f"the profile's query was refused: {bad}")
+        t2 = time.perf_counter()
+        with torch.inference_mode():
+            model.sparse_arch(batch.sparse)
+        t3 = time.perf_counter()
+        (answer,) = scores(model, batch, cfg)
+        t4 = time.perf_counter()
+        req.answer(answer)
+        t5 = time.perf_counter()
+        if i:
+            for k, v in zip(STAGES, (t1 - t0, t2 - t1, t3 - t2, (t4 - t3) - (t3 - t2), t5 - t4)):
+                times[k].append(v * 1000)
+    return {k: round(statistics.median(v), 2) for k, v in times.items()}
+
+
+PHASES = ("preprocess", "inference", "postprocess")  # the handler's own counters, dlrm_<phase>_ms_total
+
+
+def query_profile(srv, name: str, url: str, pool: list, model, cfg, form: str, reps: int) -> list[dict]:
+    """Where one query's time goes, for the pool's largest and smallest query: each sent alone
+    ``reps`` times (no other load: no queueing), its latency at the client (median), the worker's
+    own time per phase (the handler's counters in TorchServe's metrics), the rest (frontend,
+    transport, TorchServe's batching), and the stages of the same query in this process."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=300)
+    counters = ["dlrm_requests_total", *(f"dlrm_{p}_ms_total" for p in PHASES)]
+    out = []
+    try:
+        for q in (max(pool, key=lambda q: q.pairs), min(pool, key=lambda q: q.pairs)):
+
+            def send(q=q) -> float:
+                t0 = time.perf_counter()
+                conn.request("POST", parts.path, q.body, q.headers)
+                resp = conn.getresponse()
+                resp.read()
+                if resp.status != 200:
+                    raise RuntimeError(f"the profile's query was answered {resp.status}")
+                return (time.perf_counter() - t0) * 1000
+
+            send(), send()
+            before = {c: metric_value(srv, name, c) for c in counters}
+            client = [send() for _ in range(reps)]
+            # the workers' counters reach the frontend's metrics a little after their answers
+            deadline, after = time.monotonic() + 15, before
+            while time.monotonic() < deadline:
+                after = {c: metric_value(srv, name, c) for c in counters}
+                if after["dlrm_requests_total"] - before["dlrm_requests_total"] >= reps:
+                    break
+                time.sleep(0.2)
+            n = after["dlrm_requests_total"] - before["dlrm_requests_total"]
+            worker = {p: round((after[f"dlrm_{p}_ms_total"] - before[f"dlrm_{p}_ms_total"]) / n, 2) for p in PHASES}
+            row = {"pairs": q.pairs, "reps": reps, "client_ms": round(statistics.median(client), 2)}
+            if n == reps:  # else another request was counted, or a count is missing: no worker figures
+                row.update(worker_ms=worker, outside_worker_ms=round(row["client_ms"] - sum(worker.values()), 2))
+            row["stages_ms"] = _stage_ms(model, cfg, q, form, reps)
+            out.append(row)
+    finally:
+        conn.close()
+    return out
+
+
+def next_lever(
+    largest: dict, cpu_ms: dict[str, float], busy_at_target: float | None, bound_ms: float = mlperf.P99_BOUND_MS
+) -> str:
+    """What to change first, read off the profile: the largest query's time alone when it nearly
+    fills the bound (no rate can pass), else the CPU per query when the target rate would keep
+    the CPUs busy, else the queueing between them.
+
+    >>> q = {"pairs": 700, "client_ms": 55.0, "outside_worker_ms": 9.0,
+    ...      "stages_ms": {"parse": 7.0, "collate": 1.0, "lookup": 14.0, "dense": 20.0, "respond": 0.1}}
+    >>> next_lever(q, {"frontend": 8.0, "workers": 24.0}, 0.9).split(":")[0]
+    'the time of one query'
+    >>> next_lever({**q, "client_ms": 20.0}, {"frontend": 8.0, "workers": 24.0}, 0.9).split(":")[0]
+    'CPU per query'
+    >>> next_lever({**q, "client_ms": 20.0}, {"frontend": 8.0, "workers": 24.0}, 0.4).split(":")[0]
+    'queueing'
+    """
+    parts = {**largest["stages_ms"]}
+    if largest.get("outside_worker_ms") is not None:
+        parts["frontend and transport"] = largest["outside_worker_ms"]
+    top = max(parts, key=lambda k: parts[k])
+    if largest["client_ms"] >= 0.8 * bound_ms:
+        return (
+            f"the time of one query: the {largest['pairs']}-pair query alone takes {largest['client_ms']:g} ms of the "
+            f"{bound_ms:g} ms bound on one core, its largest part {top} ({parts[top]:g} ms); no rate can pass while "
+            f"it does: split one query's rows across the CPUs, or cut {top}"
+        )
+    spent = ", ".join(f"{k} {v:g} ms" for k, v in cpu_ms.items())
+    if busy_at_target is not None and busy_at_target >= 0.7:
+        most = max(cpu_ms, key=lambda k: cpu_ms[k])
+        whose = {"frontend": "the frontend's", "workers": "the workers'", "client": "the load generator's"}
+        return (
+            f"CPU per query: at the target rate the CPUs would be {busy_at_target:.0%} busy ({spent} per query); "
+            f"cut {whose.get(most, most)} CPU per query first"
+        )
+    busy = "unknown" if busy_at_target is None else f"{busy_at_target:.0%}"
+    return (
+        f"queueing: one {largest['pairs']}-pair query alone takes {largest['client_ms']:g} ms and the target rate "
+        f"would keep the CPUs {busy} busy ({spent} per query): keep a large query from waiting behind another"
+    )
+
+
+def target_cpu(row: dict) -> tuple[dict[str, float], float | None]:
+    """CPU ms per query by group (frontend, workers, client) at the highest offered rate that has
+    them, and how busy the CPUs would be at the target's rate (the target's pairs/s over the
+    mean pairs per query) if the CPU per query stayed as measured."""
+    runs = [r for r in row["runs"] if "workers_cpu_us_per_query" in r]
+    if not runs:
+        return {}, None
+    r = max(runs, key=lambda r: r["target_qps"])
+    cpu = {g: round(r[f"{g}_cpu_us_per_query"] / 1000, 1) for g in ("frontend", "workers", "client")}
+    t = row.get("target")
+    if not t:
+        return cpu, None
+    anchor_rows = row["stock_rows_per_s"] if t["anchor"] == "stock" else row["host_rows_per_s"]
+    target_qps = t["bound"] * anchor_rows / row["pairs_mean"]
+    return cpu, round(sum(cpu.values()) / 1000 * target_qps / row["cpus"], 3)
 
 
 def short(dense: str) -> str:
@@ -180,7 +370,57 @@ def markdown(report: dict) -> list[str]:
             if (t := r.get("target"))
         ),
     ]
-    return lines + ["", "p99 against the offered rate: [server-scenario.png](server-scenario.png)."]
+    return (
+        lines
+        + profile_lines(report)
+        + ["", "p99 against the offered rate: [server-scenario.png](server-scenario.png)."]
+    )
+
+
+def profile_lines(report: dict) -> list[str]:
+    """The profile of each row (query_profile, target_cpu) and the next lever of a missed target."""
+    rows = [r for r in report["rows"] if r.get("profile")]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "**Where one query's time goes** (after the search: the pool's largest and smallest query, each sent alone "
+        "(no queueing), median ms; the worker's phases from the handler's own counters; outside the worker: the "
+        "frontend, the transport, TorchServe's batching; the stages: the same query in the bench's process on the "
+        "served model, one thread)",
+        "",
+        "| config | variant | pairs | at the client | worker: preprocess / inference / postprocess | outside the worker "
+        "| parse / collate / lookup / dense / respond |",
+        "|---|---|---:|---:|---|---:|---|",
+    ]
+    for r in rows:
+        for q in r["profile"]:
+            worker = " / ".join(f"{q['worker_ms'][p]:g}" for p in PHASES) if q.get("worker_ms") else "n/a"
+            stages = " / ".join(f"{q['stages_ms'][k]:g}" for k in STAGES)
+            lines.append(
+                f"| {r['config']} | {r['variant']} | {q['pairs']} | {q['client_ms']:g} | {worker} | "
+                f"{q.get('outside_worker_ms', 'n/a')} | {stages} |"
+            )
+    lines.append("")
+    for r in rows:
+        cpu, busy = r.get("cpu_ms_per_query") or {}, r.get("busy_at_target")
+        warm = r.get("warm_up")
+        if warm:
+            lines.append(
+                f"Warm-up ({r['config']}, {r['variant']}): {warm['seconds']} s in {warm['rounds']} round(s), the "
+                f"frontend's JIT at {warm['jit_share']:.1%} of a CPU in the last (settled below {JIT_SETTLED:.0%})."
+            )
+        if cpu:
+            run = max((x for x in r["runs"] if "workers_cpu_us_per_query" in x), key=lambda x: x["target_qps"])
+            jit = run.get("frontend_jit_cpu_us_per_query")
+            spent = ", ".join(f"{k} {v:g}" for k, v in cpu.items()) + (
+                f" (the frontend's JIT {jit / 1000:g})" if jit is not None else ""
+            )
+            at = f"; at the target's rate the {r['cpus']} CPUs would be {busy:.0%} busy" if busy is not None else ""
+            lines.append(f"CPU ms per query ({r['config']}, {r['variant']}, at {run['target_qps']} q/s): {spent}{at}.")
+        if r.get("next_lever"):
+            lines.append(f"Next lever ({r['config']}, {r['variant']}): {r['next_lever']}.")
+    return lines
 
 
 def plot(report: dict, path: Path) -> None:
@@ -226,8 +466,10 @@ OPTIONS = (  # flag, type, default, help
     ("--start-qps", float, None, "first rate; default: 0.3 x the host's raw forward / mean pairs"),
     ("--queries", int, 256, "distinct queries LoadGen draws from"),
     ("--form", str, "columns", f"how queries go over the wire: {' or '.join(mlperf.FORMS)}"),
-    ("--warm-up", float, 15.0, "seconds of load before the search"),
+    ("--warm-up", float, 10.0, "seconds of load per warm-up round before the search"),
+    ("--warm-up-max", float, 90.0, "warm-up rounds stop here if the frontend's JIT has not settled"),
     ("--host-seconds", float, 3.0, "seconds per raw-forward measurement, each way"),
+    ("--profile-reps", int, 20, "times the largest and the smallest query are sent alone for the profile"),
     ("--out", str, str(ROOT / "results" / "server-scenario"), "output path without suffix"),
     ("--loadgen-dir", str, str(ROOT / "results" / "loadgen"), "where LoadGen's summary of every run is kept"),
 )

@@ -198,6 +198,69 @@ def test_load_served_runs_the_dense_half_the_handler_serves(tmp_path, precision)
     torch.testing.assert_close(forward(model)(), forward(handler.model)(), rtol=0, atol=1e-6)
 
 
+LARGEST = {
+    "pairs": 700,
+    "client_ms": 55.0,
+    "outside_worker_ms": 9.0,
+    "stages_ms": {"parse": 7.0, "collate": 1.0, "lookup": 14.0, "dense": 20.0, "respond": 0.1},
+}
+
+
+def test_next_lever_reads_the_profile():
+    cpu = {"frontend": 8.0, "workers": 24.0, "client": 1.0}
+    # the largest query alone nearly fills the bound: its largest part is named
+    text = server_scenario.next_lever(LARGEST, cpu, 0.9)
+    assert text.startswith("the time of one query: the 700-pair query alone takes 55 ms of the 60 ms bound")
+    assert "its largest part dense (20 ms)" in text
+    slow_frontend = {**LARGEST, "outside_worker_ms": 30.0}
+    assert "its largest part frontend and transport (30 ms)" in server_scenario.next_lever(slow_frontend, cpu, 0.9)
+    fast = {**LARGEST, "client_ms": 20.0}
+    # quick alone, the CPUs busy at the target rate: the biggest CPU share is named
+    assert server_scenario.next_lever(fast, cpu, 0.9) == (
+        "CPU per query: at the target rate the CPUs would be 90% busy (frontend 8 ms, workers 24 ms, client 1 ms "
+        "per query); cut the workers' CPU per query first"
+    )
+    assert server_scenario.next_lever(fast, {**cpu, "frontend": 30.0}, 0.9).endswith(
+        "cut the frontend's CPU per query first"
+    )
+    # neither: queueing
+    assert server_scenario.next_lever(fast, cpu, 0.4).startswith("queueing: one 700-pair query alone takes 20 ms")
+    assert "CPUs unknown busy" in server_scenario.next_lever(fast, cpu, None)
+
+
+def test_target_cpu_takes_the_highest_rate_with_cpu_figures():
+    runs = [
+        {
+            "target_qps": 10,
+            "frontend_cpu_us_per_query": 5000,
+            "workers_cpu_us_per_query": 20000,
+            "client_cpu_us_per_query": 1000,
+        },
+        {
+            "target_qps": 20,
+            "frontend_cpu_us_per_query": 6000,
+            "workers_cpu_us_per_query": 22000,
+            "client_cpu_us_per_query": 2000,
+        },
+        {"target_qps": 40},  # a worker was replaced meanwhile: no CPU figures
+    ]
+    row = {
+        "runs": runs,
+        "cpus": 2,
+        "pairs_mean": 250.0,
+        "stock_rows_per_s": 7000,
+        "host_rows_per_s": 40000,
+        "target": {"anchor": "stock", "bound": 2.5},
+    }
+    cpu, busy = server_scenario.target_cpu(row)
+    assert cpu == {"frontend": 6.0, "workers": 22.0, "client": 2.0}
+    assert busy == round(0.030 * (2.5 * 7000 / 250) / 2, 3)  # 70 q/s x 30 ms over 2 CPUs
+    row["target"] = {"anchor": "host", "bound": 0.6}
+    assert server_scenario.target_cpu(row)[1] == round(0.030 * (0.6 * 40000 / 250) / 2, 3)
+    assert server_scenario.target_cpu({**row, "target": None})[1] is None
+    assert server_scenario.target_cpu({**row, "runs": runs[2:]}) == ({}, None)
+
+
 @pytest.mark.integration
 def test_server_scenario_under_loadgen_against_a_real_torchserve(tmp_path):
     # named as the DLRMv2 config so that its target's anchor, stock torchrec's forward, is measured too
@@ -223,6 +286,8 @@ def test_server_scenario_under_loadgen_against_a_real_torchserve(tmp_path):
         "16",
         "--warm-up",
         "2",
+        "--warm-up-max",
+        "4",
         "--host-seconds",
         "0.3",
         "--out",
@@ -248,8 +313,28 @@ def test_server_scenario_under_loadgen_against_a_real_torchserve(tmp_path):
         "ratio": round(row["pairs_per_s"] / row["stock_rows_per_s"], 3),
         "met": row["pairs_per_s"] / row["stock_rows_per_s"] >= 2.5,
     }
+    from dlrmkit.config import DLRMConfig
+
+    # the profile: the largest and the smallest query alone, the worker's counters and the stages
+    largest, smallest = row["profile"]
+    assert largest["pairs"] == max(q.pairs for q in mlperf.query_pool(DLRMConfig.from_yaml(cfg), 16))
+    assert smallest["pairs"] == min(q.pairs for q in mlperf.query_pool(DLRMConfig.from_yaml(cfg), 16))
+    for q in (largest, smallest):
+        assert set(q["worker_ms"]) == {"preprocess", "inference", "postprocess"}
+        assert all(v > 0 for v in q["worker_ms"].values()) and all(v > 0 for v in q["stages_ms"].values())
+        assert q["outside_worker_ms"] == round(q["client_ms"] - sum(q["worker_ms"].values()), 2)
+    assert set(row["cpu_ms_per_query"]) == {"frontend", "workers", "client"} and row["busy_at_target"] > 0
+    # warm-up rounds of 2 s until the frontend's JIT settles, 4 s at most (a round may run past it)
+    warm = row["warm_up"]
+    assert 1 <= warm["rounds"] <= 2 and len(warm["jit_shares"]) == warm["rounds"]
+    assert all(x >= server_scenario.JIT_SETTLED for x in warm["jit_shares"][:-1])  # went on only while not settled
+    assert warm["jit_share"] == warm["jit_shares"][-1] and (
+        warm["jit_share"] < server_scenario.JIT_SETTLED or warm["rounds"] == 2
+    )
+    assert all(r["frontend_jit_cpu_us_per_query"] >= 0 for r in row["runs"])
     md = (tmp_path / "scenario.md").read_text()
-    assert md.count("| model-config.dlrmv2.yaml | b8 |") == 1
+    assert md.count("| model-config.dlrmv2.yaml | b8 |") == 3  # the result and the profile's two queries
+    assert ("Next lever (model-config.dlrmv2.yaml, b8): " in md) == (not row["target"]["met"])
     verdict = "met" if row["target"]["met"] else "missed"
     target = "Target (model-config.dlrmv2.yaml, b8): pairs/s >= 2.5 x stock torchrec's fp32 forward"
     assert f"{target}: {row['target']['ratio']}, {verdict}." in md
