@@ -69,24 +69,44 @@ class Query(NamedTuple):
     pairs: int
     body: bytes
     headers: dict[str, str]
+    # with ``split``: the query as requests of at most that many pairs, sent at once ((), one request)
+    parts: tuple[tuple[bytes, dict[str, str]], ...] = ()
 
 
-def make_query(cfg, rng: random.Random, rows: int, bags: list[int] | None, form: str = "columns") -> Query:
+def make_query(
+    cfg, rng: random.Random, rows: int, bags: list[int] | None, form: str = "columns", split: int = 0
+) -> Query:
     """``rows`` pairs as one request of ``form``, every feature a column; with ``bags`` (ids per
-    row, per feature) multi-hot (``f.lengths`` + ``f.values`` in v2), else one id per row."""
+    row, per feature) multi-hot (``f.lengths`` + ``f.values`` in v2), else one id per row. With
+    ``split`` and more rows than that, ``parts`` holds the same rows as ceil(rows / split)
+    requests of nearly equal size, in order (a client that spreads a large query over workers)."""
     dense = [make_instance(cfg, rng)["dense"] for _ in range(rows)]
-    sparse = {}
+    ids = {}
     for f, (name, n) in enumerate(zip(cfg.sparse_features, cfg.num_embeddings)):
         k = bags[f] if bags else 1
-        sparse[name] = {"values": [rng.randrange(n) for _ in range(rows * k)]}
-        if bags:
-            sparse[name]["lengths"] = [k] * rows
+        ids[name] = (k, [rng.randrange(n) for _ in range(rows * k)])
+    body, headers = _encode(dense, ids, 0, rows, bags is not None, form)
+    parts = ()
+    if split and rows > split:
+        n = -(-rows // split)
+        cuts = [rows * i // n for i in range(n + 1)]
+        parts = tuple(_encode(dense, ids, a, b, bags is not None, form) for a, b in zip(cuts, cuts[1:]))
+    return Query(rows, body, headers, parts)
+
+
+def _encode(dense: list, ids: dict, a: int, b: int, multi_hot: bool, form: str) -> tuple[bytes, dict[str, str]]:
+    """Rows ``a:b`` of a query as one request body of ``form`` and its headers."""
+    sparse: dict[str, dict] = {}
+    for name, (k, values) in ids.items():
+        sparse[name] = {"values": values[a * k : b * k]}
+        if multi_hot:
+            sparse[name]["lengths"] = [k] * (b - a)
     if form == "columns":
-        body = json.dumps({"columns": {"dense": dense, "sparse": sparse}}).encode()
-        return Query(rows, body, {"Content-Type": "application/json"})
+        body = json.dumps({"columns": {"dense": dense[a:b], "sparse": sparse}}).encode()
+        return body, {"Content-Type": "application/json"}
     import numpy as np
 
-    arrays = [("dense", "FP32", np.array(dense, "<f4"))]
+    arrays = [("dense", "FP32", np.array(dense[a:b], "<f4"))]
     for name, col in sparse.items():
         if "lengths" in col:
             arrays += [(f"{name}.lengths", "INT32", np.array(col["lengths"], "<i4"))]
@@ -94,18 +114,18 @@ def make_query(cfg, rng: random.Random, rows: int, bags: list[int] | None, form:
         else:
             arrays += [(name, "INT32", np.array(col["values"], "<i4"))]
     inputs = [
-        {"name": n, "datatype": t, "shape": list(a.shape), "parameters": {"binary_data_size": a.nbytes}}
-        for n, t, a in arrays
+        {"name": n, "datatype": t, "shape": list(x.shape), "parameters": {"binary_data_size": x.nbytes}}
+        for n, t, x in arrays
     ]
     header = json.dumps({"inputs": inputs, "parameters": {"binary_data_output": True}}).encode()
-    body = header + b"".join(a.tobytes() for *_, a in arrays)
-    return Query(rows, body, {"Content-Type": "application/octet-stream", BINARY_HEADER: str(len(header))})
+    body = header + b"".join(x.tobytes() for *_, x in arrays)
+    return body, {"Content-Type": "application/octet-stream", BINARY_HEADER: str(len(header))}
 
 
-def query_pool(cfg, n: int, seed: int = 11, scale: float = 1.0, form: str = "columns") -> list[Query]:
+def query_pool(cfg, n: int, seed: int = 11, scale: float = 1.0, form: str = "columns", split: int = 0) -> list[Query]:
     """``n`` queries: LoadGen's sample library, drawn from by index."""
     rng, bags = random.Random(seed), mlperf_bags(cfg)
-    return [make_query(cfg, rng, k, bags, form) for k in (query_pairs(rng, scale) for _ in range(n))]
+    return [make_query(cfg, rng, k, bags, form, split) for k in (query_pairs(rng, scale) for _ in range(n))]
 
 
 def path(form: str, model: str) -> str:
@@ -123,6 +143,7 @@ class HttpSUT:
         self.host, self.port, self.path = parts.hostname, parts.port or 80, parts.path
         self.pool = pool
         self.senders = cf.ThreadPoolExecutor(threads)
+        self.part_senders = cf.ThreadPoolExecutor(threads)
         self.local = threading.local()
         self.lock = threading.Lock()
         self.queries = self.pairs = self.errors = 0
@@ -147,8 +168,13 @@ class HttpSUT:
 
         pairs, status = 0, 0
         try:
-            pairs, body, headers = self.pool[index]
-            status = self._post(body, headers)
+            pairs, body, headers, parts = self.pool[index]
+            if parts:  # all at once: the first on this thread, the rest on the parts' own
+                rest = [self.part_senders.submit(self._post, *p) for p in parts[1:]]
+                statuses = [self._post(*parts[0]), *(f.result() for f in rest)]
+                status = next((x for x in statuses if x != 200), 200)
+            else:
+                status = self._post(body, headers)
         finally:  # always completed (a failure counts as one): LoadGen waits for every sample it issued
             with self.lock:
                 self.queries += 1
@@ -210,6 +236,7 @@ def run(
     finally:
         took = time.perf_counter() - t0
         sut.senders.shutdown(wait=True)
+        sut.part_senders.shutdown(wait=True)
         lg.DestroyQSL(qsl)
         lg.DestroySUT(lg_sut)
     cpu1, client = cpu_snapshot(groups), _self_cpu() - client0

@@ -39,9 +39,12 @@ HOST_BATCH = 256
 # criteo: 0.6 x the host's raw forward of the served archive; dlrmv2: 2.5 x stock torchrec's fp32
 # forward (its DLRM_DCN and EmbeddingBagCollection, one single-thread process per CPU, batch 256).
 TARGETS = {"criteo": ("host", 0.6), "dlrmv2": ("stock", 2.5)}
+# The default variants per config. DLRMv2's `int8` is the config as shipped; `int8 split 350` is
+# the same server with a client that sends a query of more than 350 pairs as two requests at once
+# (docs/performance.md#both-cores-for-a-large-query).
 VARIANTS = {
-    "dlrmv2": ["fp32:handler.dense_precision=fp32", "bf16:handler.dense_precision=bf16", "int8:"]
-}  # the default variants per config
+    "dlrmv2": ["fp32:handler.dense_precision=fp32", "bf16:handler.dense_precision=bf16", "int8:", "int8:split=350"]
+}
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
@@ -60,7 +63,9 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
     from dlrmkit.config import DLRMConfig
 
     key = cfg_path.stem.removeprefix("model-config").strip(".") or "seed"
-    tag = f"{key}-{variant}" + ("" if args.form == "columns" else f"-{args.form}")
+    items = dict(items)
+    split = int(items.pop("split", args.split_pairs))  # the load generator's, not the server's
+    tag = f"{key}-{variant}" + ("" if args.form == "columns" else f"-{args.form}") + (f"-split{split}" if split else "")
     name = tag.replace("-", "_").replace(".", "_")
     # An int8 dense half takes static activation scales from a sample of the traffic: the random
     # model's traffic is the queries themselves, so the sample is drawn like them (another seed).
@@ -77,7 +82,7 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
     bags = mlperf.mlperf_bags(cfg)
     host = HostForward(source, model_dir, model, cfg, bags)
     stock = HostForward(source, None, None, cfg, bags) if TARGETS.get(key, ("",))[0] == "stock" else None
-    pool = mlperf.query_pool(cfg, args.queries, form=args.form)
+    pool = mlperf.query_pool(cfg, args.queries, form=args.form, split=split)
     mean_pairs = sum(q.pairs for q in pool) / len(pool)
     try:
         before = host.measure(HOST_BATCH, args.host_seconds)
@@ -123,6 +128,7 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
     host_rows = (before["rows_per_s"] + after["rows_per_s"]) / 2
     best = found["best"] or {"target_qps": 0, "pairs_per_s": 0, "p99_ms": None}
     row = {"config": cfg_path.name, "variant": variant, "form": args.form, "overlay": items, "dense": dense}
+    row["split_pairs"] = split
     row.update(workers=workers, warm_up=warm)
     row.update(batch_size=doc.get("batchSize"), pairs_mean=round(mean_pairs, 1), host_before=before, host_after=after)
     row.update(host_rows_per_s=round(host_rows), cpus=before["cpus"], runs=found["runs"], valid_qps=best["target_qps"])
@@ -217,47 +223,49 @@ PHASES = ("preprocess", "inference", "postprocess")  # the handler's own counter
 
 def query_profile(srv, name: str, url: str, pool: list, model, cfg, form: str, reps: int) -> list[dict]:
     """Where one query's time goes, for the pool's largest and smallest query: each sent alone
-    ``reps`` times (no other load: no queueing), its latency at the client (median), the worker's
-    own time per phase (the handler's counters in TorchServe's metrics), the rest (frontend,
-    transport, TorchServe's batching), and the stages of the same query in this process."""
-    import http.client
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=300)
+    ``reps`` times (no other load: no queueing; a split query's requests at once, as LoadGen's
+    client sends them), its latency at the client (median), the worker's own time per request
+    and phase (the handler's counters in TorchServe's metrics), the rest (frontend, transport,
+    TorchServe's batching), and the stages of its (first) request in this process."""
+    sut = mlperf.HttpSUT(url, [], threads=8)
     counters = ["dlrm_requests_total", *(f"dlrm_{p}_ms_total" for p in PHASES)]
     out = []
     try:
         for q in (max(pool, key=lambda q: q.pairs), min(pool, key=lambda q: q.pairs)):
+            reqs = q.parts or ((q.body, q.headers),)
 
-            def send(q=q) -> float:
+            def send(reqs=reqs) -> float:
                 t0 = time.perf_counter()
-                conn.request("POST", parts.path, q.body, q.headers)
-                resp = conn.getresponse()
-                resp.read()
-                if resp.status != 200:
-                    raise RuntimeError(f"the profile's query was answered {resp.status}")
+                statuses = [f.result() for f in [sut.part_senders.submit(sut._post, *r) for r in reqs]]
+                if any(x != 200 for x in statuses):
+                    raise RuntimeError(f"the profile's query was answered {statuses}")
                 return (time.perf_counter() - t0) * 1000
 
             send(), send()
             before = {c: metric_value(srv, name, c) for c in counters}
             client = [send() for _ in range(reps)]
             # the workers' counters reach the frontend's metrics a little after their answers
-            deadline, after = time.monotonic() + 15, before
+            deadline, after, want = time.monotonic() + 15, before, reps * len(reqs)
             while time.monotonic() < deadline:
                 after = {c: metric_value(srv, name, c) for c in counters}
-                if after["dlrm_requests_total"] - before["dlrm_requests_total"] >= reps:
+                if after["dlrm_requests_total"] - before["dlrm_requests_total"] >= want:
                     break
                 time.sleep(0.2)
             n = after["dlrm_requests_total"] - before["dlrm_requests_total"]
             worker = {p: round((after[f"dlrm_{p}_ms_total"] - before[f"dlrm_{p}_ms_total"]) / n, 2) for p in PHASES}
-            row = {"pairs": q.pairs, "reps": reps, "client_ms": round(statistics.median(client), 2)}
-            if n == reps:  # else another request was counted, or a count is missing: no worker figures
+            row = {
+                "pairs": q.pairs,
+                "requests": len(reqs),
+                "reps": reps,
+                "client_ms": round(statistics.median(client), 2),
+            }
+            if n == want:  # else another request was counted, or a count is missing: no worker figures
                 row.update(worker_ms=worker, outside_worker_ms=round(row["client_ms"] - sum(worker.values()), 2))
-            row["stages_ms"] = _stage_ms(model, cfg, q, form, reps)
+            row["stages_ms"] = _stage_ms(model, cfg, mlperf.Query(0, *reqs[0]), form, reps)
             out.append(row)
     finally:
-        conn.close()
+        sut.part_senders.shutdown(wait=True)
+        sut.senders.shutdown(wait=True)
     return out
 
 
@@ -282,10 +290,13 @@ def next_lever(
         parts["frontend and transport"] = largest["outside_worker_ms"]
     top = max(parts, key=lambda k: parts[k])
     if largest["client_ms"] >= 0.8 * bound_ms:
+        n = largest.get("requests", 1)
+        how = "on one core" if n == 1 else f"as {n} requests at once"
+        cure = f"split one query's rows across the CPUs, or cut {top}" if n == 1 else f"cut {top}"
         return (
             f"the time of one query: the {largest['pairs']}-pair query alone takes {largest['client_ms']:g} ms of the "
-            f"{bound_ms:g} ms bound on one core, its largest part {top} ({parts[top]:g} ms); no rate can pass while "
-            f"it does: split one query's rows across the CPUs, or cut {top}"
+            f"{bound_ms:g} ms bound {how}, its largest part {top} ({parts[top]:g} ms); no rate can pass while it "
+            f"does: {cure}"
         )
     spent = ", ".join(f"{k} {v:g} ms" for k, v in cpu_ms.items())
     if busy_at_target is not None and busy_at_target >= 0.7:
@@ -330,13 +341,25 @@ def short(dense: str) -> str:
     return dense.split(" (")[0]
 
 
+def label(row: dict) -> str:
+    """A row's variant as the tables name it: ``int8``, ``b1 split 350``."""
+    return row["variant"] + (f" split {row['split_pairs']}" if row.get("split_pairs") else "")
+
+
 def markdown(report: dict) -> list[str]:
     m, bound = report["machine"], mlperf.P99_BOUND_MS
+    split = (
+        "; a variant marked `split N`: a query of more than N pairs goes as ceil(pairs / N) requests of nearly equal "
+        "size at once, done when all are answered (the load generator's doing: a client spreading a large query "
+        "over the workers)"
+        if any(r.get("split_pairs") for r in report["rows"])
+        else ""
+    )
     lines = [
         f"**Server scenario under MLPerf LoadGen** ({m['cpu']}, {m['available_cpus']} CPUs, ISA {m['isa']}, torch's "
         f"kernels {m['isa_served']}; load average {m['load_average_at_start'][0]} at the start, "
         f"{m['load_average'][0]} at the end: a shared machine): queries of {mlperf.PAIRS[0]}-{mlperf.PAIRS[1]} pairs "
-        f"(`{report.get('form', 'columns')}` form), Poisson arrivals, runs of at least {report['seconds']:g} s and {report['min_queries']} "
+        f"(`{report.get('form', 'columns')}` form{split}), Poisson arrivals, runs of at least {report['seconds']:g} s and {report['min_queries']} "
         f"queries, at most {report['max_seconds']:g} s (a rate below {report['min_queries'] / report['max_seconds']:.1f} "
         f"q/s cannot send that many: INVALID by the cap, the search goes no lower); the highest offered rate LoadGen calls VALID (p99 <= {bound:.0f} ms) "
         "with no failed query. LoadGen's summaries: `results/loadgen/`.",
@@ -348,7 +371,7 @@ def markdown(report: dict) -> list[str]:
     for r in report["rows"]:
         runs = ", ".join(f"{x['target_qps']}: {x.get('p99_ms')}{' V' if x['ok'] else ''}" for x in r["runs"])
         lines.append(
-            f"| {r['config']} | {r['variant']} | {short(r['dense'])} | {r['workers']} | {r['valid_qps'] or 'none'} | "
+            f"| {r['config']} | {label(r)} | {short(r['dense'])} | {r['workers']} | {r['valid_qps'] or 'none'} | "
             f"{r['pairs_per_s']:,} | {r['pairs_per_s'] // r['cpus']:,} | {r['p99_ms'] or ''} | "
             f"{r['host_rows_per_s']:,} | {r['vs_host']} | {runs} |"
         )
@@ -357,14 +380,14 @@ def markdown(report: dict) -> list[str]:
     lines += [
         "",
         *(
-            f"Stock torchrec's fp32 forward ({r['config']}, {r['variant']} run; torchrec's own modules, one "
+            f"Stock torchrec's fp32 forward ({r['config']}, {label(r)} run; torchrec's own modules, one "
             f"single-thread process per CPU, B={HOST_BATCH}): {r['stock_rows_per_s']:,} rows/s "
             f"({r['stock_before']['rows_per_s']:,} before, {r['stock_after']['rows_per_s']:,} after the search)."
             for r in stock
         ),
         "",
         *(
-            f"Target ({r['config']}, {r['variant']}): pairs/s >= {t['bound']} x {anchors[t['anchor']]}: "
+            f"Target ({r['config']}, {label(r)}): pairs/s >= {t['bound']} x {anchors[t['anchor']]}: "
             f"{t['ratio']}, {'met' if t['met'] else 'missed'}."
             for r in report["rows"]
             if (t := r.get("target"))
@@ -389,8 +412,8 @@ def profile_lines(report: dict) -> list[str]:
         "frontend, the transport, TorchServe's batching; the stages: the same query in the bench's process on the "
         "served model, one thread)",
         "",
-        "| config | variant | pairs | at the client | worker: preprocess / inference / postprocess | outside the worker "
-        "| parse / collate / lookup / dense / respond |",
+        "| config | variant | pairs (requests) | at the client | worker, per request: preprocess / inference / "
+        "postprocess | outside the worker | parse / collate / lookup / dense / respond (first request) |",
         "|---|---|---:|---:|---|---:|---|",
     ]
     for r in rows:
@@ -398,7 +421,7 @@ def profile_lines(report: dict) -> list[str]:
             worker = " / ".join(f"{q['worker_ms'][p]:g}" for p in PHASES) if q.get("worker_ms") else "n/a"
             stages = " / ".join(f"{q['stages_ms'][k]:g}" for k in STAGES)
             lines.append(
-                f"| {r['config']} | {r['variant']} | {q['pairs']} | {q['client_ms']:g} | {worker} | "
+                f"| {r['config']} | {label(r)} | {q['pairs']} ({q.get('requests', 1)}) | {q['client_ms']:g} | {worker} | "
                 f"{q.get('outside_worker_ms', 'n/a')} | {stages} |"
             )
     lines.append("")
@@ -407,7 +430,7 @@ def profile_lines(report: dict) -> list[str]:
         warm = r.get("warm_up")
         if warm:
             lines.append(
-                f"Warm-up ({r['config']}, {r['variant']}): {warm['seconds']} s in {warm['rounds']} round(s), the "
+                f"Warm-up ({r['config']}, {label(r)}): {warm['seconds']} s in {warm['rounds']} round(s), the "
                 f"frontend's JIT at {warm['jit_share']:.1%} of a CPU in the last (settled below {JIT_SETTLED:.0%})."
             )
         if cpu:
@@ -417,9 +440,9 @@ def profile_lines(report: dict) -> list[str]:
                 f" (the frontend's JIT {jit / 1000:g})" if jit is not None else ""
             )
             at = f"; at the target's rate the {r['cpus']} CPUs would be {busy:.0%} busy" if busy is not None else ""
-            lines.append(f"CPU ms per query ({r['config']}, {r['variant']}, at {run['target_qps']} q/s): {spent}{at}.")
+            lines.append(f"CPU ms per query ({r['config']}, {label(r)}, at {run['target_qps']} q/s): {spent}{at}.")
         if r.get("next_lever"):
-            lines.append(f"Next lever ({r['config']}, {r['variant']}): {r['next_lever']}.")
+            lines.append(f"Next lever ({r['config']}, {label(r)}): {r['next_lever']}.")
     return lines
 
 
@@ -433,10 +456,8 @@ def plot(report: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for r in report["rows"]:
         runs = sorted((x for x in r["runs"] if x.get("p99_ms")), key=lambda x: x["target_qps"])
-        label = (
-            f"{r['config'].removeprefix('model-config.').removesuffix('.yaml')} {r['variant']} ({short(r['dense'])})"
-        )
-        (line,) = ax.plot([x["target_qps"] for x in runs], [x["p99_ms"] for x in runs], "-", alpha=0.6, label=label)
+        name = f"{r['config'].removeprefix('model-config.').removesuffix('.yaml')} {label(r)} ({short(r['dense'])})"
+        (line,) = ax.plot([x["target_qps"] for x in runs], [x["p99_ms"] for x in runs], "-", alpha=0.6, label=name)
         for ok in (True, False):
             pts = [(x["target_qps"], x["p99_ms"]) for x in runs if x["ok"] == ok]
             if pts:
@@ -466,6 +487,7 @@ OPTIONS = (  # flag, type, default, help
     ("--start-qps", float, None, "first rate; default: 0.3 x the host's raw forward / mean pairs"),
     ("--queries", int, 256, "distinct queries LoadGen draws from"),
     ("--form", str, "columns", f"how queries go over the wire: {' or '.join(mlperf.FORMS)}"),
+    ("--split-pairs", int, 0, "a query of more pairs goes as requests of at most this many, at once (0: one request)"),
     ("--warm-up", float, 10.0, "seconds of load per warm-up round before the search"),
     ("--warm-up-max", float, 90.0, "warm-up rounds stop here if the frontend's JIT has not settled"),
     ("--host-seconds", float, 3.0, "seconds per raw-forward measurement, each way"),
@@ -494,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(measure(path, variant, items, Path(tmp), args))
     command = "python bench/server_scenario.py " + " ".join(sys.argv[1:] if argv is None else argv)
     report = {"command": command, "machine": machine(), "seconds": args.seconds, "min_queries": args.min_queries}
-    report.update(max_seconds=args.max_seconds, form=args.form)
+    report.update(max_seconds=args.max_seconds, form=args.form, split_pairs=args.split_pairs)
     report["machine"]["load_average_at_start"] = load_at_start
     report.update(rows=rows, wall_s=round(time.perf_counter() - started))
     write_report(Path(args.out), report, markdown(report), plot)

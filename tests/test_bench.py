@@ -147,8 +147,8 @@ def test_request_bodies_parse_with_the_kits_parser():
     for kind in (1, 128, common.RANKING, common.COLUMNS, common.COLUMNS_ALL):
         assert parser.parse(common.make_kind(kind, cfg, rng)) is not None, kind
     pool = mlperf.query_pool(cfg, 20)
-    assert all(mlperf.PAIRS[0] <= n <= mlperf.PAIRS[1] for n, _, _ in pool)
-    for n, body, _ in pool[:3]:
+    assert all(mlperf.PAIRS[0] <= q.pairs <= mlperf.PAIRS[1] and q.parts == () for q in pool)
+    for n, body, *_ in pool[:3]:
         assert len(json.loads(body)["columns"]["dense"]) == n
         parser.parse(body)
 
@@ -172,6 +172,36 @@ def test_a_v2_binary_query_carries_the_same_pairs_as_its_columns_twin():
 
     assert torch.equal(got.dense, want.dense) and torch.equal(got.sparse.values(), want.sparse.values())
     assert torch.equal(got.sparse.lengths(), want.sparse.lengths())
+
+
+@pytest.mark.parametrize("form", mlperf.FORMS)
+def test_a_split_query_carries_its_rows_in_order_in_nearly_equal_parts(form):
+    """``split``: a query of more pairs than that also as ceil(pairs / split) requests, which the
+    kit's parsers read to the whole query's rows, in order."""
+    import torch
+
+    from dlrmkit.batch import collate
+    from dlrmkit.forms import RequestParser
+    from dlrmkit.protocols import open_request
+
+    cfg = tiny_config(**variant("dcn"), max_instances_per_request=1024, max_ids_per_request=1 << 16)
+    bags = [1, 3, 2][: cfg.num_features] + [1] * max(0, cfg.num_features - 3)
+
+    def batch(body, headers):
+        req = open_request(body, form == "v2-binary", headers.get(mlperf.BINARY_HEADER), RequestParser(cfg), ("m", "1"))
+        return collate([req.parse()], cfg)[0]
+
+    whole = mlperf.make_query(cfg, random.Random(4), 701, bags, form)
+    split = mlperf.make_query(cfg, random.Random(4), 701, bags, form, split=350)
+    assert whole.parts == () and (split.pairs, split.body) == (701, whole.body)  # the same draws
+    parts = [batch(*p) for p in split.parts]
+    assert [p.dense.shape[0] for p in parts] == [233, 234, 234]
+    want = batch(whole.body, whole.headers)
+    assert torch.equal(torch.cat([p.dense for p in parts]), want.dense)
+    for f in cfg.sparse_features:  # each feature's ids: the parts' in order are the whole's
+        got = torch.cat([p.sparse[f].values() for p in parts])
+        assert torch.equal(got, want.sparse[f].values()), f
+    assert mlperf.make_query(cfg, random.Random(4), 350, bags, form, split=350).parts == ()
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
@@ -271,7 +301,7 @@ def test_server_scenario_under_loadgen_against_a_real_torchserve(tmp_path):
         "--configs",
         str(cfg),
         "--variant",
-        "b8:batchSize=8",
+        "b8:batchSize=8,split=300",
         "--seconds",
         "2",
         "--max-seconds",
@@ -298,10 +328,10 @@ def test_server_scenario_under_loadgen_against_a_real_torchserve(tmp_path):
     assert server_scenario.main(args) == 0
     report = json.loads((tmp_path / "scenario.json").read_text())
     (row,) = report["rows"]
-    assert row["variant"] == "b8" and row["batch_size"] == 8 and row["dense"] == "fp32"
+    assert row["variant"] == "b8" and row["batch_size"] == 8 and row["dense"] == "fp32" and row["split_pairs"] == 300
     assert len(row["runs"]) == 2 and row["runs"][0]["target_qps"] == 10
     for r in row["runs"]:
-        summary = (tmp_path / "lg" / f"dlrmv2-b8-{r['target_qps']:.2f}qps.txt").read_text()
+        summary = (tmp_path / "lg" / f"dlrmv2-b8-split300-{r['target_qps']:.2f}qps.txt").read_text()
         assert mlperf.parse_summary(summary)["valid"] == r["valid"]
         assert r["errors"] == 0 and r["p99_ms"] > 0
         # LoadGen stops a rate at --max-seconds: then, and only then, too few queries were sent
@@ -319,6 +349,9 @@ def test_server_scenario_under_loadgen_against_a_real_torchserve(tmp_path):
     largest, smallest = row["profile"]
     assert largest["pairs"] == max(q.pairs for q in mlperf.query_pool(DLRMConfig.from_yaml(cfg), 16))
     assert smallest["pairs"] == min(q.pairs for q in mlperf.query_pool(DLRMConfig.from_yaml(cfg), 16))
+    assert (
+        largest["requests"] == -(-largest["pairs"] // 300) and smallest["requests"] == 1
+    )  # as the load generator sends them
     for q in (largest, smallest):
         assert set(q["worker_ms"]) == {"preprocess", "inference", "postprocess"}
         assert all(v > 0 for v in q["worker_ms"].values()) and all(v > 0 for v in q["stages_ms"].values())
@@ -333,10 +366,10 @@ def test_server_scenario_under_loadgen_against_a_real_torchserve(tmp_path):
     )
     assert all(r["frontend_jit_cpu_us_per_query"] >= 0 for r in row["runs"])
     md = (tmp_path / "scenario.md").read_text()
-    assert md.count("| model-config.dlrmv2.yaml | b8 |") == 3  # the result and the profile's two queries
-    assert ("Next lever (model-config.dlrmv2.yaml, b8): " in md) == (not row["target"]["met"])
+    assert md.count("| model-config.dlrmv2.yaml | b8 split 300 |") == 3  # the result and the profile's two queries
+    assert ("Next lever (model-config.dlrmv2.yaml, b8 split 300): " in md) == (not row["target"]["met"])
     verdict = "met" if row["target"]["met"] else "missed"
-    target = "Target (model-config.dlrmv2.yaml, b8): pairs/s >= 2.5 x stock torchrec's fp32 forward"
+    target = "Target (model-config.dlrmv2.yaml, b8 split 300): pairs/s >= 2.5 x stock torchrec's fp32 forward"
     assert f"{target}: {row['target']['ratio']}, {verdict}." in md
     assert (tmp_path / "scenario.png").stat().st_size > 0
 
