@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import re
 import shutil
 import socket
@@ -36,8 +37,32 @@ def default_workers() -> int:
     return cpu_rule(available_cpus()).workers
 
 
-def free_port() -> int:
-    with socket.socket() as s:
+_PORTS = random.Random()  # its own generator: tests seed the module's
+_GIVEN: set[int] = set()
+
+
+def free_port(range_file: str | Path = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    """A loopback port free now, below the kernel's ephemeral range and not given before by this
+    process. A port from that range (what binding port 0 gives) can be taken by any outgoing
+    connection before TorchServe binds it, seconds later (its gRPC ports bind only after the
+    models load): a CI run failed so with 'Address already in use'."""
+    try:
+        low = int(Path(range_file).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    span = range(max(1024, low - 12000), max(1025, low))
+    for _ in range(100):
+        port = _PORTS.choice(span)
+        if port in _GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    with socket.socket() as s:  # nothing free below the range: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -173,3 +173,21 @@ def test_scripts_say_when_no_server_was_started(tmp_path, capsys):
     assert "start the server first" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         rollout.main(["--rollback", "--archive", "x.mar"])
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_are_never_given_twice(tmp_path):
+    """An outgoing connection takes its port from the ephemeral range: a server's port from that
+    range could be taken between the choice and TorchServe's bind (a CI run failed so)."""
+    import socket
+
+    import tsctl
+
+    ports = [tsctl.free_port() for _ in range(50)]
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert len(set(ports)) == 50 and all(1024 <= p < low for p in ports)
+    with socket.socket() as s:  # free when given
+        s.bind(("127.0.0.1", ports[-1]))
+    # another range, as a host may set it
+    odd = tmp_path / "range"
+    odd.write_text("40000\t50000\n")
+    assert all(28000 <= tsctl.free_port(odd) < 40000 for _ in range(20))
