@@ -132,22 +132,22 @@ integration: venv $(PLUGIN)  ## integration tests only (real TorchServe)
 # Benchmark (results/benchmark.{json,md,png}), then MLPerf's Server scenario under LoadGen
 # (results/server-scenario.{json,md,png}, LoadGen's summaries in results/loadgen/); see
 # docs/performance.md. ~30 minutes.
-bench: venv  ## the benchmark and the Server scenario under MLPerf LoadGen (results/benchmark.*, server-scenario.*), ~30 minutes
+bench: venv $(PLUGIN)  ## the benchmark and the Server scenario under MLPerf LoadGen (results/benchmark.*, server-scenario.*), ~30 minutes
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) bench/benchmark.py
 	$(PY) bench/server_scenario.py
 
 # TorchServe's netty/queue/batching settings, A/B against the shipped ones (results/knobs.*).
-knobs: venv  ## measure TorchServe's settings against the shipped ones (results/knobs.*), ~10 minutes
+knobs: venv $(PLUGIN)  ## measure TorchServe's settings against the shipped ones (results/knobs.*), ~10 minutes
 	$(PY) bench/knobs.py
 
 # Mixed good/bad load against a private TorchServe; every answer checked. See docs/faults-and-soak.md.
-soak: venv $(MAR)  ## 10-minute mixed good/bad load, every answer checked (results/soak.json)
+soak: venv $(MAR) $(PLUGIN)  ## 10-minute mixed good/bad load, every answer checked (results/soak.json)
 	$(PY) bench/soak.py --duration 600 --concurrency 64 --json results/soak.json
 
 # Kill, hang, restart, flood and starve a private TorchServe under load; every answer checked
 # (results/faults.{json,md}); see docs/faults-and-soak.md. Up to 10 minutes; root for the logs tmpfs.
-faults: venv  ## break a private TorchServe under load (results/faults.*), up to 10 minutes
+faults: venv $(PLUGIN)  ## break a private TorchServe under load (results/faults.*), up to 10 minutes
 	$(PY) bench/faults.py --json results/faults.json --table results/faults.md
 
 clean: stop  ## stop, then remove model_store/, .serve/ and logs/
