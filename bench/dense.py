@@ -28,15 +28,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from mlperf import PUBLISHED as MLPERF
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 VARIANTS = ("fp32_eager", "fp32_jit_freeze", "fp32_inductor", "bf16", "int8_static", "int8_dynamic", "torchrec_stock")
 CONFIGS = ("model-config.yaml", "model-config.criteo.yaml", "model-config.dlrmv2.yaml")
-MLPERF = (
-    "MLPerf Inference DLRMv2 (dlrm-v2-99.9, closed division, Intel Xeon, int8 on AMX): ~70-78 samples/s "
-    "per core at p99 <= 60 ms, about 20,000 user-item pairs/s per core (issue 29's reading of the results)"
-)
 
 
 def log(msg: str) -> None:

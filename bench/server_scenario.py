@@ -21,6 +21,7 @@ summary of every run is kept in results/loadgen/. Writes results/server-scenario
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import signal
 import statistics
@@ -395,9 +396,39 @@ def markdown(report: dict) -> list[str]:
     ]
     return (
         lines
+        + forward_lines(report)
         + profile_lines(report)
         + ["", "p99 against the offered rate: [server-scenario.png](server-scenario.png)."]
     )
+
+
+def forward_lines(report: dict) -> list[str]:
+    """The raw forwards of the run per config and precision, all cores and per core, beside MLPerf's
+    published per-core figure (a split variant serves the same archive as its unsplit one: left out)."""
+    rows = [r for r in report["rows"] if not r.get("split_pairs")]
+    lines = [
+        "",
+        f"**The raw forward per precision** (no server, B={HOST_BATCH}, one single-thread process per CPU, mean of "
+        "before and after the search; per core: all cores / CPUs). Context: " + mlperf.PUBLISHED + ".",
+        "",
+        "| config | dense half | served archive, all cores rows/s | per core | stock torchrec fp32, per core "
+        "| vs stock | per core / MLPerf's per core |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        per_core = r["host_rows_per_s"] // r["cpus"]
+        stock = r.get("stock_rows_per_s")
+        # Only the DLRMv2 config has the stock anchor, and only it is MLPerf's model.
+        dlrmv2_cells = (
+            f"{stock // r['cpus']:,} | {r['host_rows_per_s'] / stock:.2f} | "
+            f"{per_core / mlperf.PUBLISHED_PAIRS_PER_CORE:.2f}"
+            if stock
+            else "n/a | n/a | n/a"
+        )
+        lines.append(
+            f"| {r['config']} | {short(r['dense'])} | {r['host_rows_per_s']:,} | {per_core:,} | {dlrmv2_cells} |"
+        )
+    return lines
 
 
 def profile_lines(report: dict) -> list[str]:
@@ -493,6 +524,7 @@ OPTIONS = (  # flag, type, default, help
     ("--host-seconds", float, 3.0, "seconds per raw-forward measurement, each way"),
     ("--profile-reps", int, 20, "times the largest and the smallest query are sent alone for the profile"),
     ("--out", str, str(ROOT / "results" / "server-scenario"), "output path without suffix"),
+    ("--from-json", str, None, "write the .md and .png again from this run's JSON, measuring nothing"),
     ("--loadgen-dir", str, str(ROOT / "results" / "loadgen"), "where LoadGen's summary of every run is kept"),
 )
 
@@ -506,6 +538,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.form not in mlperf.FORMS:
         ap.error(f"--form: expected one of {', '.join(mlperf.FORMS)}, got {args.form!r}")
+    if args.from_json:
+        report = json.loads(Path(args.from_json).read_text())
+        write_report(Path(args.out), report, markdown(report), plot)
+        return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # killed: the finally blocks stop the server
     started, rows, load_at_start = time.perf_counter(), [], machine()["load_average"]
     with tempfile.TemporaryDirectory(prefix="dlrm-server-scenario-") as tmp:

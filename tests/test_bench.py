@@ -291,6 +291,35 @@ def test_target_cpu_takes_the_highest_rate_with_cpu_figures():
     assert server_scenario.target_cpu({**row, "runs": runs[2:]}) == ({}, None)
 
 
+def test_forward_lines_give_each_archive_per_core_beside_stock_and_mlperf():
+    rows = [
+        {"config": "model-config.criteo.yaml", "dense": "fp32", "host_rows_per_s": 72376, "cpus": 2},
+        {
+            "config": "model-config.dlrmv2.yaml",
+            "dense": "int8 static (PT2E: ...)",
+            "host_rows_per_s": 19216,
+            "cpus": 2,
+            "stock_rows_per_s": 5234,
+        },
+        {
+            "config": "model-config.dlrmv2.yaml",
+            "dense": "int8 static (PT2E: ...)",
+            "host_rows_per_s": 18834,
+            "cpus": 2,
+            "stock_rows_per_s": 4914,
+            "split_pairs": 350,
+        },  # the same archive: left out
+    ]
+    lines = server_scenario.forward_lines({"rows": rows})
+    assert mlperf.PUBLISHED in lines[1]
+    table = [x for x in lines if x.startswith("| model-config")]
+    assert table == [
+        "| model-config.criteo.yaml | fp32 | 72,376 | 36,188 | n/a | n/a | n/a |",
+        f"| model-config.dlrmv2.yaml | int8 static | 19,216 | 9,608 | 2,617 | {19216 / 5234:.2f} | "
+        f"{9608 / mlperf.PUBLISHED_PAIRS_PER_CORE:.2f} |",
+    ]
+
+
 @pytest.mark.integration
 def test_server_scenario_under_loadgen_against_a_real_torchserve(tmp_path):
     # named as the DLRMv2 config so that its target's anchor, stock torchrec's forward, is measured too
@@ -372,6 +401,10 @@ def test_server_scenario_under_loadgen_against_a_real_torchserve(tmp_path):
     target = "Target (model-config.dlrmv2.yaml, b8 split 300): pairs/s >= 2.5 x stock torchrec's fp32 forward"
     assert f"{target}: {row['target']['ratio']}, {verdict}." in md
     assert (tmp_path / "scenario.png").stat().st_size > 0
+    # the report again from the run's JSON alone: the same lines
+    again = tmp_path / "again"
+    assert server_scenario.main(["--from-json", str(tmp_path / "scenario.json"), "--out", str(again)]) == 0
+    assert again.with_suffix(".md").read_text() == md and again.with_suffix(".png").stat().st_size > 0
 
 
 def test_delta_load_windows_pair_with_and_without_in_a_seeded_order():
