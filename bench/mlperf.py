@@ -24,6 +24,7 @@ import concurrent.futures as cf
 import http.client
 import json
 import random
+import re
 import resource
 import shutil
 import tempfile
@@ -304,6 +305,35 @@ def parse_summary(text: str) -> dict:
     if "valid" not in out:
         raise ValueError("not a LoadGen summary: no 'Result is' line")
     return out
+
+
+def more_queries(r: dict) -> int | None:
+    """How many more queries LoadGen says would decide a run that failed on early stopping alone
+    with its p99 under the bound (one query past the bound in a short run is enough for that:
+    evidence too thin, not a rate too high); None for any other run.
+
+    >>> more_queries({"valid": False, "unsatisfied": ["Early stopping"], "p99_ms": 41.9,
+    ...               "early_stopping": "Would need to run at least 162 more queries,"})
+    162
+    """
+    if r.get("valid") or r.get("unsatisfied") != ["Early stopping"] or (r.get("p99_ms") or 1e9) > P99_BOUND_MS:
+        return None
+    m = re.search(r"at least (\d+) more queries", r.get("early_stopping", ""))
+    return int(m.group(1)) if m else None
+
+
+def decide(run_once, qps: float, first: dict, max_seconds: float, limit_s: float) -> dict:
+    """``first`` (a run at ``qps``), or, when early stopping alone left it undecided
+    (``more_queries``), the rate run again by ``run_once(qps, min_queries, max_seconds)`` with the
+    queries LoadGen asks for and half again (the new run may have its own query past the bound),
+    if that takes at most ``limit_s``: its verdict stands, the first run kept in it."""
+    more = more_queries(first)
+    n = -(-3 * (first.get("queries", 0) + (more or 0)) // 2)
+    if more is None or n / qps > limit_s:
+        return first
+    again = run_once(qps, n, max(max_seconds, 1.2 * n / qps))
+    again["undecided_first"] = {k: first.get(k) for k in ("queries", "p99_ms", "max_ms", "early_stopping")}
+    return again
 
 
 def next_rate(lo: float | None, hi: float | None, rate: float, step: float, tol: float, floor: float) -> float | None:

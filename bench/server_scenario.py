@@ -103,18 +103,24 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
                 args.warm_up_max,
             )
 
-            def run_at(qps: float) -> dict:
+            def run_once(qps: float, min_queries: int, max_seconds: float) -> dict:
                 out = Path(args.loadgen_dir) / f"{tag}-{qps:.2f}qps.txt"
                 jit0 = jit_cpu_seconds(frontend_pid(srv))
-                r = mlperf.run(url, pool, qps, args.seconds, args.min_queries, args.max_seconds, out, procs)
+                r = mlperf.run(url, pool, qps, args.seconds, min_queries, max_seconds, out, procs)
                 jit = sum(t - jit0.get(tid, 0.0) for tid, t in jit_cpu_seconds(frontend_pid(srv)).items())
                 r["frontend_jit_cpu_us_per_query"] = round(jit / max(1, r["queries"]) * 1e6)
                 why = f" ({', '.join(r['unsatisfied'])} not satisfied)" if r.get("unsatisfied") else ""
                 log(
                     f"  {tag} {qps:.2f} q/s: {'VALID' if r['valid'] else 'INVALID'}{why}, p99 {r.get('p99_ms')} ms, "
-                    f"{r['pairs_per_s']:,} pairs/s, {r['errors']} failed"
+                    f"{r['queries']} queries, {r['pairs_per_s']:,} pairs/s, {r['errors']} failed"
                 )
                 return r
+
+            def run_at(qps: float) -> dict:
+                first = run_once(qps, args.min_queries, args.max_seconds)
+                if mlperf.more_queries(first) is not None:
+                    log(f"  {tag} {qps:.2f} q/s: early stopping undecided ({first['early_stopping']})")
+                return mlperf.decide(run_once, qps, first, args.max_seconds, args.decide_max_seconds)
 
             # below min queries / max seconds a rate cannot reach LoadGen's query count: INVALID by the cap
             found = mlperf.search(run_at, start, steps=args.steps, floor=args.min_queries / args.max_seconds)
@@ -519,6 +525,13 @@ OPTIONS = (  # flag, type, default, help
     ("--queries", int, 256, "distinct queries LoadGen draws from"),
     ("--form", str, "columns", f"how queries go over the wire: {' or '.join(mlperf.FORMS)}"),
     ("--split-pairs", int, 0, "a query of more pairs goes as requests of at most this many, at once (0: one request)"),
+    (
+        "--decide-max-seconds",
+        float,
+        180.0,
+        "a rate failed on early stopping alone (p99 under the bound) runs again with the queries LoadGen asks for "
+        "and half again, if that takes at most this long (0: never)",
+    ),
     ("--warm-up", float, 10.0, "seconds of load per warm-up round before the search"),
     ("--warm-up-max", float, 90.0, "warm-up rounds stop here if the frontend's JIT has not settled"),
     ("--host-seconds", float, 3.0, "seconds per raw-forward measurement, each way"),

@@ -291,6 +291,39 @@ def test_target_cpu_takes_the_highest_rate_with_cpu_figures():
     assert server_scenario.target_cpu({**row, "runs": runs[2:]}) == ({}, None)
 
 
+def test_a_run_undecided_by_early_stopping_alone_runs_again_with_the_queries_loadgen_asks_for():
+    summary = (
+        "Result is : INVALID\n  Performance constraints satisfied : Yes\n  Early stopping satisfied: NO\n"
+        " * Would need to run at least 162 more queries,\n99.00 percentile latency (ns)   : 41893595\n"
+        "Max latency (ns)                : 60969932\n"
+    )
+    first = {**mlperf.parse_summary(summary), "queries": 500}
+    assert mlperf.more_queries(first) == 162
+    calls = []
+
+    def run_once(qps, min_queries, max_seconds):
+        calls.append((qps, min_queries, max_seconds))
+        return {"valid": True, "queries": min_queries, "p99_ms": 40.0}
+
+    got = mlperf.decide(run_once, 8.0, first, 90.0, 180.0)
+    n = -(-3 * (500 + 162) // 2)  # 993: what LoadGen asks for, and half again
+    assert calls == [(8.0, n, 1.2 * n / 8.0)] and got["valid"] and got["queries"] == n
+    assert got["undecided_first"] == {
+        "queries": 500,
+        "p99_ms": 41.9,
+        "max_ms": 61.0,
+        "early_stopping": "Would need to run at least 162 more queries,",
+    }
+    assert mlperf.decide(run_once, 8.0, first, 90.0, 100.0) is first and len(calls) == 1  # 124 s: past the limit
+    for r in (  # failed for other reasons, or over the bound: a second run would not change it
+        {**first, "p99_ms": 61.0},
+        {**first, "unsatisfied": ["Performance constraints", "Early stopping"]},
+        {**first, "valid": True, "unsatisfied": []},
+    ):
+        assert mlperf.more_queries(r) is None and mlperf.decide(run_once, 8.0, r, 90.0, 180.0) is r
+    assert len(calls) == 1
+
+
 def test_forward_lines_give_each_archive_per_core_beside_stock_and_mlperf():
     rows = [
         {"config": "model-config.criteo.yaml", "dense": "fp32", "host_rows_per_s": 72376, "cpus": 2},
@@ -349,6 +382,8 @@ def test_server_scenario_under_loadgen_against_a_real_torchserve(tmp_path):
         "4",
         "--host-seconds",
         "0.3",
+        "--decide-max-seconds",  # 20-query runs are all undecided: no second run of each here
+        "0",
         "--out",
         str(tmp_path / "scenario"),
         "--loadgen-dir",
