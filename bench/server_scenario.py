@@ -368,7 +368,9 @@ def markdown(report: dict) -> list[str]:
         f"{m['load_average'][0]} at the end: a shared machine): queries of {mlperf.PAIRS[0]}-{mlperf.PAIRS[1]} pairs "
         f"(`{report.get('form', 'columns')}` form{split}), Poisson arrivals, runs of at least {report['seconds']:g} s and {report['min_queries']} "
         f"queries, at most {report['max_seconds']:g} s (a rate below {report['min_queries'] / report['max_seconds']:.1f} "
-        f"q/s cannot send that many: INVALID by the cap, the search goes no lower); the highest offered rate LoadGen calls VALID (p99 <= {bound:.0f} ms) "
+        f"q/s cannot send that many: INVALID by the cap, the search goes no lower; a rate LoadGen's early stopping alone "
+        "leaves undecided, p99 under the bound, runs again with the queries LoadGen asks for and half again: that "
+        f"run's verdict stands); the highest offered rate LoadGen calls VALID (p99 <= {bound:.0f} ms) "
         "with no failed query. LoadGen's summaries: `results/loadgen/`.",
         "",
         "| config | variant | dense half | workers | VALID q/s | pairs/s | per core | p99 ms | host raw forward "
