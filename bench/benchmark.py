@@ -42,7 +42,7 @@ from pathlib import Path
 
 from common import (  # noqa: F401  (the request kinds, for the scripts that reuse bench_served)
     COLUMNS, COLUMNS_ALL, CRITEO_TSV, HERE, RANKING, RANKING_ROWS, ROOT, V2_BINARY, HostForward, build_archive, serving,
-    cpu_seconds, form_of, frontend_pid, jit_cpu_seconds, load_served, log, machine, make_body, make_kind,
+    cpu_seconds, form_of, frontend_pid, jit_cpu_seconds, jit_cpu_since, load_served, log, machine, make_body, make_kind,
     measure_load, metric_value, raw_caller, request_loop, rows_of, timed_calls, unpack, v2_bodies, write_report,
 )
 from load import percentile, run_load
@@ -307,8 +307,7 @@ def bench_served(srv: Server, model: str, bodies: dict, duration: float, profile
         jit0 = jit_cpu_seconds(procs["frontend"][0])
         res = asyncio.run(run_load(url, next_request, c, duration, 2_000_000))
         cpu = {k: cpu_seconds(v) - cpu0[k] for k, v in procs.items()}
-        jit = jit_cpu_seconds(procs["frontend"][0])
-        jit_s = sum(t - jit0.get(tid, 0.0) for tid, t in jit.items())
+        jit_s = jit_cpu_since(procs["frontend"][0], jit0)
         batches = metric_value(srv, model, "dlrm_batches_total") - batches0[0]
         per_batch = (metric_value(srv, model, "dlrm_requests_total") - batches0[1]) / batches if batches else None
         if spy:

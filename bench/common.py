@@ -9,7 +9,7 @@
   archive's precision), ``HostForward`` (that model's raw forward on every CPU);
 - servers: ``serving`` (a private TorchServe on free ports, stopped on exit);
 - load and CPU: ``measure_load`` (closed loop, bench/load.py), ``cpu_seconds``, ``frontend_pid``,
-  ``jit_cpu_seconds``, ``metric_value``;
+  ``jit_cpu_seconds``, ``jit_cpu_since``, ``metric_value``;
 - reports: ``write_report`` (OUT.json, OUT.md, and OUT.png when given a plot), ``machine``
   (the CPU model and ISA every figure is named with).
 
@@ -483,6 +483,12 @@ def jit_cpu_seconds(pid: int) -> dict[int, float]:
         if name.startswith(("C1 CompilerThre", "C2 CompilerThre")):
             out[t.id] = t.user_time + t.system_time
     return out
+
+
+def jit_cpu_since(pid: int, before: dict[int, float]) -> float:
+    """CPU seconds the JVM's JIT compiler threads spent since ``before`` (a ``jit_cpu_seconds``
+    reading); a thread started since counts from zero."""
+    return sum(t - before.get(tid, 0.0) for tid, t in jit_cpu_seconds(pid).items())
 
 
 def metric_value(srv: Server, model: str, name: str) -> float:

@@ -156,6 +156,13 @@ class HttpSUT:
         self.lock = threading.Lock()
         self.queries = self.pairs = self.errors = 0
 
+    def post_all(self, requests) -> int:
+        """``requests`` ((body, headers) pairs: one query) sent at once, the first on this thread,
+        the rest on the parts' own: 200, or the first other status."""
+        rest = [self.part_senders.submit(self._post, *r) for r in requests[1:]]
+        statuses = [self._post(*requests[0]), *(f.result() for f in rest)]
+        return next((x for x in statuses if x != 200), 200)
+
     def _post(self, body: bytes, headers: dict[str, str]) -> int:
         for attempt in (0, 1):  # a connection the server closed is reopened once
             try:
@@ -177,12 +184,7 @@ class HttpSUT:
         pairs, status = 0, 0
         try:
             pairs, body, headers, parts = self.pool[index]
-            if parts:  # all at once: the first on this thread, the rest on the parts' own
-                rest = [self.part_senders.submit(self._post, *p) for p in parts[1:]]
-                statuses = [self._post(*parts[0]), *(f.result() for f in rest)]
-                status = next((x for x in statuses if x != 200), 200)
-            else:
-                status = self._post(body, headers)
+            status = self.post_all(parts or ((body, headers),))
         finally:  # always completed (a failure counts as one): LoadGen waits for every sample it issued
             with self.lock:
                 self.queries += 1
@@ -328,8 +330,10 @@ def decide(run_once, qps: float, first: dict, max_seconds: float, limit_s: float
     queries LoadGen asks for and half again (the new run may have its own query past the bound),
     if that takes at most ``limit_s``: its verdict stands, the first run kept in it."""
     more = more_queries(first)
-    n = -(-3 * (first.get("queries", 0) + (more or 0)) // 2)
-    if more is None or n / qps > limit_s:
+    if more is None:
+        return first
+    n = -(-3 * (first.get("queries", 0) + more) // 2)
+    if n / qps > limit_s:
         return first
     again = run_once(qps, n, max(max_seconds, 1.2 * n / qps))
     again["undecided_first"] = {k: first.get(k) for k in ("queries", "p99_ms", "max_ms", "early_stopping")}

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import mlperf
 from common import HostForward, ROOT, build_archive, frontend_pid, jit_cpu_seconds, load_served, log, machine
-from common import metric_value, serving
+from common import jit_cpu_since, metric_value, serving
 from common import unpack, write_report
 
 HOST_BATCH = 256
@@ -107,7 +107,7 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
                 out = Path(args.loadgen_dir) / f"{tag}-{qps:.2f}qps.txt"
                 jit0 = jit_cpu_seconds(frontend_pid(srv))
                 r = mlperf.run(url, pool, qps, args.seconds, min_queries, max_seconds, out, procs)
-                jit = sum(t - jit0.get(tid, 0.0) for tid, t in jit_cpu_seconds(frontend_pid(srv)).items())
+                jit = jit_cpu_since(frontend_pid(srv), jit0)
                 r["frontend_jit_cpu_us_per_query"] = round(jit / max(1, r["queries"]) * 1e6)
                 why = f" ({', '.join(r['unsatisfied'])} not satisfied)" if r.get("unsatisfied") else ""
                 log(
@@ -173,7 +173,7 @@ def warm_up(load, frontend: int, seconds: float, most: float) -> dict:
         jit0, t0 = jit_cpu_seconds(frontend), time.perf_counter()
         load(seconds)
         took = time.perf_counter() - t0
-        share = sum(t - jit0.get(tid, 0.0) for tid, t in jit_cpu_seconds(frontend).items()) / took
+        share = jit_cpu_since(frontend, jit0) / took
         rounds, spent = rounds + 1, spent + took
         shares.append(round(share, 4))
         log(f"  warm-up round {rounds}: {took:.0f} s, the frontend's JIT at {share:.1%} of a CPU")
@@ -243,9 +243,8 @@ def query_profile(srv, name: str, url: str, pool: list, model, cfg, form: str, r
 
             def send(reqs=reqs) -> float:
                 t0 = time.perf_counter()
-                statuses = [f.result() for f in [sut.part_senders.submit(sut._post, *r) for r in reqs]]
-                if any(x != 200 for x in statuses):
-                    raise RuntimeError(f"the profile's query was answered {statuses}")
+                if (status := sut.post_all(reqs)) != 200:
+                    raise RuntimeError(f"the profile's query was answered {status}")
                 return (time.perf_counter() - t0) * 1000
 
             send(), send()
