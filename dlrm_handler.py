@@ -23,6 +23,7 @@ import os
 import re
 import time
 from abc import ABC
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from ts.metrics.dimension import Dimension
@@ -100,6 +101,16 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
             logger.warning("handler.large_batch_rows with a compiled dense half: measured worse than %d thread(s) "
                            "per forward even with its kernels for more made at start (DLRMv2 int8 on AMX: p99 120 vs "
                            "75 ms at 10 q/s, docs/performance.md)", self.threads)
+        # handler.split_rows: a large forward's parts run at once, on the pool's threads and this one
+        self.split_parts = max(1, self.cpus // max(1, self.threads)) if self.device.type == "cpu" else 1
+        self.split_pool = (
+            ThreadPoolExecutor(self.split_parts - 1, thread_name_prefix="dlrm-split")
+            if self.config.split_rows and self.split_parts > 1 else None
+        )
+        if self.config.split_rows and self.split_pool is None:
+            logger.warning("handler.split_rows %d: nothing to split onto (%s): every forward runs whole",
+                           self.config.split_rows, f"{self.cpus} CPU(s), {self.threads} torch thread(s) per part"
+                           if self.device.type == "cpu" else f"the model is on {self.device}")
         self.parser = RequestParser(self.config)
         model = (self.manifest or {}).get("model", {})
         self.model_id = (model.get("modelName", "dlrm"), str(model.get("modelVersion", "1.0")))
@@ -108,12 +119,14 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         self.initialized = True
         logger.info(
             "DLRM loaded on %s in %.1f s: %d dense, %d sparse features, %d embedding rows (%s), output %s, "
-            "%d torch threads%s, frozen: %s; dense half: %s",
+            "%d torch threads%s%s, frozen: %s; dense half: %s",
             ", ".join(map(str, devices)) + (" (tables sharded)" if len(devices) > 1 else ""),
             time.perf_counter() - started, self.config.num_dense_features, self.config.num_features,
             sum(self.config.num_embeddings), self.config.embedding_dtype, self.config.output, self.threads,
             f" ({self.cpus} from {self.config.large_batch_rows} rows, OMP_WAIT_POLICY "
             f"{os.environ.get('OMP_WAIT_POLICY', 'unset')})" if self.config.large_batch_rows else "",
+            f"; a forward of more than {self.config.split_rows} rows split into up to {self.split_parts} parts at once"
+            if self.split_pool else "",
             ", ".join(frozen) or "nothing", dense,
         )
 
@@ -183,7 +196,7 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
             try:
-                per_request = scores(self.model, batch, self.config)
+                per_request = scores(self.model, batch, self.config, self.split_pool, self.split_parts)
             except Exception as e:  # the server's fault, not a request's: fail this batch only
                 rows = batch.dense.shape[0]
                 if isinstance(e, MemoryError) or "out of memory" in str(e).lower():

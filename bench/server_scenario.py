@@ -40,11 +40,16 @@ HOST_BATCH = 256
 # criteo: 0.6 x the host's raw forward of the served archive; dlrmv2: 2.5 x stock torchrec's fp32
 # forward (its DLRM_DCN and EmbeddingBagCollection, one single-thread process per CPU, batch 256).
 TARGETS = {"criteo": ("host", 0.6), "dlrmv2": ("stock", 2.5)}
-# The default variants per config. DLRMv2's `int8` is the config as shipped; `int8 split 350` is
-# the same server with a client that sends a query of more than 350 pairs as two requests at once
-# (docs/performance.md#both-cores-for-a-large-query).
+# The default variants per config. DLRMv2's `int8` is the config as shipped (its worker runs a forward of
+# more than 350 rows as parts at once: handler.split_rows); `int8-whole` the same server with every forward
+# whole, on one thread (docs/performance.md#both-cores-for-a-large-query).
 VARIANTS = {
-    "dlrmv2": ["fp32:handler.dense_precision=fp32", "bf16:handler.dense_precision=bf16", "int8:", "int8:split=350"]
+    "dlrmv2": [
+        "fp32:handler.dense_precision=fp32",
+        "bf16:handler.dense_precision=bf16",
+        "int8:",
+        "int8-whole:handler.split_rows=0",
+    ]
 }
 
 
@@ -62,6 +67,7 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
     import torch
 
     from dlrmkit.config import DLRMConfig
+    from dlrmkit.cpus import available_cpus, torch_threads
 
     key = cfg_path.stem.removeprefix("model-config").strip(".") or "seed"
     items = dict(items)
@@ -125,7 +131,8 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
             # below min queries / max seconds a rate cannot reach LoadGen's query count: INVALID by the cap
             found = mlperf.search(run_at, start, steps=args.steps, floor=args.min_queries / args.max_seconds)
             workers = len(srv.worker_pids(name))
-            profile = query_profile(srv, name, url, pool, model, cfg, args.form, args.profile_reps)
+            most = max(1, available_cpus() // torch_threads(cfg.torch_threads, workers))
+            profile = query_profile(srv, name, url, pool, model, cfg, args.form, args.profile_reps, most)
         after = host.measure(HOST_BATCH, args.host_seconds)
         stock_after = stock.measure(HOST_BATCH, args.host_seconds) if stock else None
     finally:
@@ -228,12 +235,18 @@ def _stage_ms(model, cfg, query: mlperf.Query, form: str, reps: int) -> dict[str
 PHASES = ("preprocess", "inference", "postprocess")  # the handler's own counters, dlrm_<phase>_ms_total
 
 
-def query_profile(srv, name: str, url: str, pool: list, model, cfg, form: str, reps: int) -> list[dict]:
+def query_profile(
+    srv, name: str, url: str, pool: list, model, cfg, form: str, reps: int, split_most: int = 1
+) -> list[dict]:
     """Where one query's time goes, for the pool's largest and smallest query: each sent alone
     ``reps`` times (no other load: no queueing; a split query's requests at once, as LoadGen's
     client sends them), its latency at the client (median), the worker's own time per request
     and phase (the handler's counters in TorchServe's metrics), the rest (frontend, transport,
-    TorchServe's batching), and the stages of its (first) request in this process."""
+    TorchServe's batching), and the stages of its (first) request in this process, whole on one
+    thread. ``server_parts``: the parts the worker runs its (first) request as at once
+    (``handler.split_rows``; ``split_most``: the worker's CPUs over its threads)."""
+    from dlrmkit.batch import row_spans
+
     sut = mlperf.HttpSUT(url, [], threads=8)
     counters = ["dlrm_requests_total", *(f"dlrm_{p}_ms_total" for p in PHASES)]
     out = []
@@ -262,6 +275,7 @@ def query_profile(srv, name: str, url: str, pool: list, model, cfg, form: str, r
             row = {
                 "pairs": q.pairs,
                 "requests": len(reqs),
+                "server_parts": len(row_spans(-(-q.pairs // len(reqs)), cfg.split_rows, split_most)),
                 "reps": reps,
                 "client_ms": round(statistics.median(client), 2),
             }
@@ -296,9 +310,9 @@ def next_lever(
         parts["frontend and transport"] = largest["outside_worker_ms"]
     top = max(parts, key=lambda k: parts[k])
     if largest["client_ms"] >= 0.8 * bound_ms:
-        n = largest.get("requests", 1)
-        how = "on one core" if n == 1 else f"as {n} requests at once"
-        cure = f"split one query's rows across the CPUs, or cut {top}" if n == 1 else f"cut {top}"
+        n, pieces = largest.get("requests", 1), largest.get("server_parts", 1)
+        how = f"as {n} requests at once" if n > 1 else f"as {pieces} parts at once" if pieces > 1 else "on one core"
+        cure = f"split one query's rows across the CPUs, or cut {top}" if n == pieces == 1 else f"cut {top}"
         return (
             f"the time of one query: the {largest['pairs']}-pair query alone takes {largest['client_ms']:g} ms of the "
             f"{bound_ms:g} ms bound {how}, its largest part {top} ({parts[top]:g} ms); no rate can pass while it "
@@ -438,6 +452,11 @@ def forward_lines(report: dict) -> list[str]:
     return lines
 
 
+def parts_note(q: dict) -> str:
+    """``, 2 parts`` when the server ran a profiled request as parts at once (handler.split_rows)."""
+    return f", {q['server_parts']} parts" if q.get("server_parts", 1) > 1 else ""
+
+
 def profile_lines(report: dict) -> list[str]:
     """The profile of each row (query_profile, target_cpu) and the next lever of a missed target."""
     rows = [r for r in report["rows"] if r.get("profile")]
@@ -450,7 +469,7 @@ def profile_lines(report: dict) -> list[str]:
         "frontend, the transport, TorchServe's batching; the stages: the same query in the bench's process on the "
         "served model, one thread)",
         "",
-        "| config | variant | pairs (requests) | at the client | worker, per request: preprocess / inference / "
+        "| config | variant | pairs (requests, parts in the worker) | at the client | worker, per request: preprocess / inference / "
         "postprocess | outside the worker | parse / collate / lookup / dense / respond (first request) |",
         "|---|---|---:|---:|---|---:|---|",
     ]
@@ -459,7 +478,8 @@ def profile_lines(report: dict) -> list[str]:
             worker = " / ".join(f"{q['worker_ms'][p]:g}" for p in PHASES) if q.get("worker_ms") else "n/a"
             stages = " / ".join(f"{q['stages_ms'][k]:g}" for k in STAGES)
             lines.append(
-                f"| {r['config']} | {label(r)} | {q['pairs']} ({q.get('requests', 1)}) | {q['client_ms']:g} | {worker} | "
+                f"| {r['config']} | {label(r)} | {q['pairs']} ({q.get('requests', 1)}{parts_note(q)}) | {q['client_ms']:g} | "
+                f"{worker} | "
                 f"{q.get('outside_worker_ms', 'n/a')} | {stages} |"
             )
     lines.append("")

@@ -5,7 +5,7 @@ A request's way (dlrm_handler wires these, one TorchServe batch at a time)::
     open_request(body, route, ...)  dlrmkit.protocols    its protocol: /predictions JSON, Criteo TSV, KServe v1, OIP v2
     .parse()     -> ParsedRequest   dlrmkit.forms / dlrmkit.criteo / dlrmkit.protocols   raises RequestError (4xx)
     collate(requests) -> Batch, {idx: error}        here: one dense [B, F_dense] + one KeyedJaggedTensor
-    scores(model, batch) -> [[score, ...], ...]     here: one forward, split back per request
+    scores(model, batch) -> [[score, ...], ...]     here: one forward (or parts at once: split_rows), split back per request
     .answer(scores) / .error(err) -> Reply          the protocol's body (dlrmkit.forms.response_body, ...)
 
 The batch's KJT is key-major: with features (f0, f1) and rows b0 = {f0: [3, 4], f1: [7]},
@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
+from concurrent.futures import Executor, wait
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -187,13 +188,65 @@ def _table_rows(config: DLRMConfig) -> np.ndarray:
     return np.array(config.num_embeddings, dtype=np.int64)
 
 
-def scores(model: torch.nn.Module, batch: Batch, config: DLRMConfig) -> list[list[float]]:
-    """Forward the whole batch once; split its scores back per request."""
-    with torch.inference_mode():
-        logits = model(batch.dense, batch.sparse).squeeze(1)
+def row_spans(rows: int, split_rows: int, most: int) -> list[tuple[int, int]]:
+    """The [start, end) rows of each part a forward of ``rows`` rows runs as: ceil(rows /
+    split_rows) parts of nearly equal size, at most ``most`` (``handler.split_rows``; 0 = one part).
+
+    >>> row_spans(671, 350, 2), row_spans(350, 350, 2), row_spans(1400, 350, 2), row_spans(5, 0, 2)
+    ([(0, 335), (335, 671)], [(0, 350)], [(0, 700), (700, 1400)], [(0, 5)])
+    """
+    n = min(most, -(-rows // split_rows)) if split_rows else 1
+    bounds = [rows * k // n for k in range(n + 1)] if n > 1 else [0, rows]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a] or [(0, rows)]
+
+
+def rows_of(kjt: KeyedJaggedTensor, start: int, end: int) -> KeyedJaggedTensor:
+    """Rows [start, end) of a key-major KJT. F=2, B=3, lengths [1, 2, 0 | 0, 1, 1], values
+    [a, b, c | d, e]: rows [1, 3) are lengths [2, 0 | 1, 1], values [b, c | d, e]."""
+    b, f = kjt.stride(), len(kjt.keys())
+    offsets = kjt.offsets().tolist()
+    values, weights = kjt.values(), kjt.weights_or_none()
+    spans = [(offsets[k * b + start], offsets[k * b + end]) for k in range(f)]
+    return KeyedJaggedTensor(
+        keys=kjt.keys(),
+        values=torch.cat([values[x:y] for x, y in spans]),
+        lengths=kjt.lengths().view(f, b)[:, start:end].reshape(-1),
+        weights=None if weights is None else torch.cat([weights[x:y] for x, y in spans]),
+    )
+
+
+def _logits(model: torch.nn.Module, dense: torch.Tensor, sparse: KeyedJaggedTensor, config: DLRMConfig):
+    with torch.inference_mode():  # per thread: a part on the pool's thread needs its own
+        logits = model(dense, sparse).squeeze(1)
         if config.output == "probability":
             logits = torch.sigmoid(logits)
-        flat = logits.float().cpu().tolist()
+        return logits.float().cpu()
+
+
+def scores(
+    model: torch.nn.Module, batch: Batch, config: DLRMConfig, pool: Executor | None = None, parts: int = 1
+) -> list[list[float]]:
+    """Forward the whole batch once; split its scores back per request.
+
+    With ``pool`` and more than ``config.split_rows`` rows, the forward runs as ``row_spans``'
+    parts (at most ``parts``) at once: the first on this thread, the others on the pool's. Each row
+    is scored on its own, so the parts' scores are the whole forward's (up to the rounding of
+    another GEMM blocking where a part's size differs)."""
+    spans = row_spans(batch.dense.shape[0], config.split_rows, parts) if pool is not None else [(0, 0)]
+    if len(spans) == 1:
+        logits = _logits(model, batch.dense, batch.sparse, config)
+    else:
+        later = [
+            pool.submit(_logits, model, batch.dense[a:b], rows_of(batch.sparse, a, b), config)  # type: ignore[union-attr]
+            for a, b in spans[1:]
+        ]
+        try:
+            (a, b) = spans[0]
+            first = _logits(model, batch.dense[a:b], rows_of(batch.sparse, a, b), config)
+        finally:  # never leave a part running on the model after this batch is answered
+            wait(later)
+        logits = torch.cat([first, *(f.result() for f in later)])
+    flat = logits.tolist()
     out, start = [], 0
     for n in batch.rows:
         out.append(flat[start : start + n])

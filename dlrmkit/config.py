@@ -58,6 +58,10 @@ class DLRMConfig:
     # A forward of at least this many rows runs on a thread per CPU the process may use, smaller ones
     # on torch_threads: a large query gets every core while the workers stay one per CPU. 0 = never.
     large_batch_rows: int = 0
+    # A forward of more than this many rows runs as parts of about this many rows, at once, on
+    # threads of the worker (each part on torch_threads; at most one part per torch_threads CPUs
+    # the process may use): the CPUs the worker alone would leave idle score its large query. 0 = never.
+    split_rows: int = 0
     # How the archive stores the tables and the worker holds them, all in fbgemm's fused
     # table-batched kernel: fp32, or quantized (fp16 2x, int8 ~3.2x, int4 ~5x smaller at D=64).
     embedding_dtype: str = "fp32"
@@ -171,10 +175,16 @@ class DLRMConfig:
             if key in raw:
                 values[key] = _positive_int(raw[key], key, example)
         for key, expected, example in (("torch_threads", "0 (auto) or a positive integer", "0"),
-                                       ("large_batch_rows", "0 (never) or a positive number of rows", "256")):
+                                       ("large_batch_rows", "0 (never) or a positive number of rows", "256"),
+                                       ("split_rows", "0 (never) or a positive number of rows", "350")):
             value = raw.get(key, 0)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"handler.{key}: expected {expected}, got {value!r} (e.g. {key}: {example})")
+        if raw.get("split_rows") and raw.get("large_batch_rows"):
+            raise ConfigError(
+                "handler.split_rows and handler.large_batch_rows: set one, not both (both would put more "
+                "threads than CPUs on one large query); split_rows measured better (docs/performance.md)"
+            )
         if "table_names" in raw:
             values["table_names"] = _table_names(raw["table_names"], names)
         values.update(_raw_input(raw, len(names)))

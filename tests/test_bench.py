@@ -242,6 +242,12 @@ def test_next_lever_reads_the_profile():
     text = server_scenario.next_lever(LARGEST, cpu, 0.9)
     assert text.startswith("the time of one query: the 700-pair query alone takes 55 ms of the 60 ms bound")
     assert "its largest part dense (20 ms)" in text
+    # the server already runs it as parts at once (handler.split_rows), or the client sends it as requests
+    split = server_scenario.next_lever({**LARGEST, "server_parts": 2}, cpu, 0.9)
+    assert "55 ms of the 60 ms bound as 2 parts at once, its largest part dense (20 ms)" in split
+    assert split.endswith("no rate can pass while it does: cut dense")
+    assert "as 2 requests at once" in server_scenario.next_lever({**LARGEST, "requests": 2}, cpu, 0.9)
+    assert text.endswith("split one query's rows across the CPUs, or cut dense")
     slow_frontend = {**LARGEST, "outside_worker_ms": 30.0}
     assert "its largest part frontend and transport (30 ms)" in server_scenario.next_lever(slow_frontend, cpu, 0.9)
     fast = {**LARGEST, "client_ms": 20.0}

@@ -320,3 +320,73 @@ def test_many_instances_with_one_key_list_parse_as_row_by_row(parser, model, con
     a, b = (parser.parse(body({"instances": x})) for x in (same, reordered))
     assert isinstance(a.values, np.ndarray) and isinstance(b.values, list)
     assert run(parser, model, config, [body({"instances": same})]) == run(parser, model, config, [body({"instances": reordered})])
+
+
+def test_rows_of_a_key_major_kjt():
+    """F=2, B=3, lengths [1, 2, 0 | 0, 1, 1]: rows [1, 3) are lengths [2, 0 | 1, 1], their values
+    and weights in the same order."""
+    from dlrmkit.batch import rows_of
+
+    kjt = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([10, 11, 12, 20, 21]),
+                            lengths=torch.tensor([1, 2, 0, 0, 1, 1]), weights=torch.tensor([.1, .2, .3, .4, .5]))
+    part = rows_of(kjt, 1, 3)
+    assert part.keys() == ["a", "b"] and part.stride() == 2
+    assert part.lengths().tolist() == [2, 0, 1, 1]
+    assert part.values().tolist() == [11, 12, 20, 21]
+    assert part.weights().tolist() == pytest.approx([.2, .3, .4, .5])
+    assert rows_of(kjt, 0, 1).values().tolist() == [10] and rows_of(kjt, 0, 1).lengths().tolist() == [1, 0]
+
+
+def test_row_spans_split_a_forward_into_nearly_equal_parts_at_most_as_many_as_allowed():
+    from dlrmkit.batch import row_spans
+
+    assert row_spans(671, 350, 2) == [(0, 335), (335, 671)]
+    assert row_spans(350, 350, 2) == [(0, 350)]  # not more than split_rows: whole
+    assert row_spans(1400, 350, 2) == [(0, 700), (700, 1400)]  # the cap: parts grow past split_rows
+    assert row_spans(10, 3, 8) == [(0, 2), (2, 5), (5, 7), (7, 10)]
+    assert row_spans(10, 0, 8) == [(0, 10)]  # 0: never
+    assert row_spans(10, 3, 1) == [(0, 10)]
+
+
+class RecordingPool:
+    """A real thread pool that records what it is given: which parts ran off the caller's thread."""
+
+    def __init__(self, fail_on_rows: int | None = None):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool, self.rows, self.fail_on_rows = ThreadPoolExecutor(4), [], fail_on_rows
+
+    def submit(self, fn, model, dense, sparse, config):
+        self.rows.append(dense.shape[0])
+        if dense.shape[0] == self.fail_on_rows:
+            def broken(*_):
+                raise RuntimeError("a part failed")
+            return self.pool.submit(broken)
+        return self.pool.submit(fn, model, dense, sparse, config)
+
+
+def test_a_forward_split_into_parts_on_threads_scores_as_the_whole_batch(parser, model, config):
+    """handler.split_rows: a batch of more rows runs as parts at once (the first on the caller's
+    thread), multi-hot bags, omitted keys and requests cut across parts; the scores, per request
+    and in order, are the whole forward's."""
+    import dataclasses
+
+    rng = np.random.default_rng(5)
+    reqs = [body({"instances": [instance(rng.normal(size=5).round(3).tolist(),
+                                         **{f"feature_{k}": rng.integers(0, 20, rng.integers(0, 4)).tolist()
+                                            for k in range(3) if rng.random() < 0.8})
+                                for _ in range(n)]}) for n in (3, 1, 4, 2)]
+    batch, errors = collate([parser.parse(r) for r in reqs], config)
+    assert errors == {} and batch.dense.shape[0] == 10
+    whole = scores(model, batch, config)
+    split = dataclasses.replace(config, split_rows=3)
+    pool = RecordingPool()
+    parts = scores(model, batch, split, pool, parts=4)  # type: ignore[arg-type]
+    assert pool.rows == [3, 2, 3]  # 4 parts of 2-3 rows: the first ran here
+    assert [len(p) for p in parts] == [3, 1, 4, 2]
+    for w, p in zip(whole, parts):
+        assert p == pytest.approx(w, abs=1e-6)
+    assert len({round(s, 4) for p in parts for s in p}) == 10  # every row scored on its own inputs
+    assert scores(model, batch, split, None, parts=4) == whole  # no pool: whole
+    with pytest.raises(RuntimeError, match="a part failed"):
+        scores(model, batch, split, RecordingPool(fail_on_rows=3), parts=4)  # type: ignore[arg-type]

@@ -212,3 +212,50 @@ def test_a_large_batch_runs_on_a_thread_per_cpu_and_a_small_one_on_the_workers(t
     assert json.loads(call(plain, [big])[0][0])["scores"] == json.loads(out_big[0])["scores"]
     with pytest.raises(ConfigError, match=r"handler.large_batch_rows: expected 0 \(never\) or a positive number"):
         TorchRecDLRMHandler().initialize(FakeContext(tmp_path, {**TINY, "large_batch_rows": -1}))
+
+
+def test_a_forward_of_more_than_split_rows_runs_as_parts_on_the_workers_threads(tmp_path, weights, monkeypatch,
+                                                                                caplog):
+    """handler.split_rows: with CPUs for more than one part (3 here, one torch thread each), a batch
+    of more rows than that runs as parts at once on the handler's pool; a smaller one whole; the
+    scores are the whole forward's. With one CPU, or split_rows set beside large_batch_rows, it says so."""
+    import logging
+
+    import dlrm_handler
+    from dlrm_handler import TorchRecDLRMHandler
+
+    monkeypatch.setattr(dlrm_handler, "available_cpus", lambda: 3)  # as on a 3-CPU host
+    (tmp_path / "dlrm.pt").symlink_to(weights)
+    section = {**TINY, "split_rows": 2, "torch_threads": 1}
+    h = TorchRecDLRMHandler()
+    with caplog.at_level(logging.INFO, logger="dlrm_handler"):
+        h.initialize(FakeContext(tmp_path, section))
+    assert "a forward of more than 2 rows split into up to 3 parts at once" in caplog.text
+    submitted = []
+    real = h.split_pool.submit
+    h.split_pool.submit = lambda fn, model, dense, *a: submitted.append(dense.shape[0]) or real(fn, model, dense, *a)
+    big = body({"instances": [instance([k, 1, -k, 0.5, k / 3], feature_0=[k], feature_2=[k, 7]) for k in range(7)]})
+    small = body({"instances": [instance([1] * 5, feature_1=[2])]})
+    out, _ = call(h, [big, small], section)
+    assert submitted == [3, 3]  # 8 rows in 3 parts: rows 0-1 on this thread, 2-4 and 5-7 on the pool
+    plain = TorchRecDLRMHandler()
+    plain.initialize(FakeContext(tmp_path, {**TINY, "torch_threads": 1}))
+    want, _ = call(plain, [big, small])
+    for got, expected in zip(out, want):
+        assert json.loads(got)["scores"] == pytest.approx(json.loads(expected)["scores"], abs=1e-6)
+    submitted.clear()
+    call(h, [small], section)
+    assert submitted == []  # 1 row: whole, on this thread
+
+    monkeypatch.setattr(dlrm_handler, "available_cpus", lambda: 1)
+    caplog.clear()
+    one = TorchRecDLRMHandler()
+    with caplog.at_level(logging.WARNING, logger="dlrm_handler"):
+        one.initialize(FakeContext(tmp_path, section))
+    assert one.split_pool is None
+    assert "handler.split_rows 2: nothing to split onto (1 CPU(s), 1 torch thread(s) per part)" in caplog.text
+    with pytest.raises(ConfigError, match=r"handler.split_rows and handler.large_batch_rows: set one, not both"):
+        TorchRecDLRMHandler().initialize(FakeContext(tmp_path, {**section, "large_batch_rows": 4}))
+    with pytest.raises(ConfigError, match=r"handler.split_rows: expected 0 \(never\) or a positive number of rows, "
+                                          r"got -1 \(e.g. split_rows: 350\)"):
+        TorchRecDLRMHandler().initialize(FakeContext(tmp_path, {**section, "split_rows": -1}))

@@ -1,5 +1,6 @@
 """Integration: a DLRM_DCN (fp32) and a DLRM_Projection (int8) in one real TorchServe, batching
-on: concurrent mixed requests to both get the in-process scores, a bad one its own 400."""
+on: concurrent mixed requests to both get the in-process scores, a bad one its own 400; the DCN's
+large batches on a thread per CPU (large_batch_rows), the projection's as parts at once (split_rows)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ def build(tmp: Path, name: str, interaction: str, dtype: str) -> Path:
     doc["handler"].update(variant(interaction, doc["handler"]["embedding_dim"]), embedding_dtype=dtype)
     if interaction == "dcn":  # batches of 3 rows or more on a thread per CPU: both paths in one worker
         doc["handler"]["large_batch_rows"] = 3
+    else:  # batches of more than 3 rows as parts at once on the worker's threads: both paths in one worker
+        doc["handler"]["split_rows"] = 3
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(doc))
     build_mar.main(["--config", str(path), "--output-dir", str(tmp / "store"), "--model-name", name])
@@ -127,6 +130,20 @@ def test_large_batches_run_on_every_cpu_with_openmp_waiting_passively(served):
     srv, _ = served
     log = (srv.log_dir / "model_log.log").read_text()
     assert f"({available_cpus()} from 3 rows, OMP_WAIT_POLICY PASSIVE)" in log, log[-3000:]
+
+
+def test_large_batches_run_as_parts_at_once_where_cpus_allow(served):
+    """handler.split_rows: each worker says how many parts a batch of more than 3 rows runs as (one
+    per CPU of its own, TorchServe's workers one thread each), or that one CPU leaves nothing to
+    split onto; test_concurrent_mixed_requests_... checks the scores of batches of both sizes."""
+    from dlrmkit.cpus import available_cpus, torch_threads
+
+    srv, _ = served
+    log = (srv.log_dir / "model_log.log").read_text()
+    parts = available_cpus() // torch_threads(0, None)
+    said = (f"a forward of more than 3 rows split into up to {parts} parts at once" if parts > 1
+            else "handler.split_rows 3: nothing to split onto")
+    assert said in log, log[-3000:]
 
 
 def test_rollout_and_rollback_of_a_variant(served, tmp_path):
