@@ -104,7 +104,8 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         # handler.split_rows: a large forward's parts run at once, on the pool's threads and this one
         self.split_parts = max(1, self.cpus // max(1, self.threads)) if self.device.type == "cpu" else 1
         self.split_pool = (
-            ThreadPoolExecutor(self.split_parts - 1, thread_name_prefix="dlrm-split")
+            # each pool thread on the worker's own thread count (OpenMP's count is per calling thread)
+            ThreadPoolExecutor(self.split_parts - 1, "dlrm-split", torch.set_num_threads, (self.threads,))
             if self.config.split_rows and self.split_parts > 1 else None
         )
         if self.config.split_rows and self.split_pool is None:

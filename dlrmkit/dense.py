@@ -193,6 +193,11 @@ class ServedDLRM(nn.Module):
         if padded != rows:
             dense_features = nn.functional.pad(dense_features, (0, 0, 0, padded - rows))
             sparse_features = pad_kjt(sparse_features, rows, padded)
+        elif torch.is_inference_mode_enabled() and not dense_features.is_inference():
+            # Dynamo guards each input's dispatch keys: a tensor made outside inference_mode (or a
+            # view of one, as handler.split_rows' parts are) would compile the half once more, ~2 s
+            # in the middle of serving; the padded ones are inference tensors, so this one is too.
+            dense_features = dense_features.clone()
         return self.dense(dense_features, self.sparse_arch(sparse_features))[:rows].float()
 
 
@@ -313,7 +318,8 @@ def _compile(model, config, precision, calibration, warm_rows) -> tuple[nn.Modul
     # DLRMv2 int8 a p99 3.4x at 10 q/s on AMX, results/server-scenario-levers-amx.md)
     base, cpus = torch.get_num_threads(), available_cpus()
     more = [(rows, t) for rows in warm if (t := forward_threads(rows, base, config.large_batch_rows, cpus)) != base]
-    with torch.no_grad():
+    # under inference_mode, as dlrmkit.batch.scores serves it: the same dispatch keys, no recompile later
+    with torch.inference_mode():
         for rows in warm:
             compiled(*_probe(model, config, rows))
         try:

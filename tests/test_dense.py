@@ -136,6 +136,32 @@ def test_the_int8_compile_itself_runs_on_any_x86_cpu():
     assert got.shape == want.shape and bool(torch.isfinite(got).all())
 
 
+def test_served_batches_never_compile_the_half_again(monkeypatch):
+    """Dynamo guards each input's dispatch keys: the half is made at start under inference_mode as
+    scores() serves it, and a batch of a made size (a tensor from outside inference_mode) or a
+    handler.split_rows part (a view of one) is handed over as an inference tensor, as a padded batch
+    is: no recompile (~2 s each in the middle of serving, measured on DLRMv2 before)."""
+    import dataclasses
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch._dynamo
+
+    from dlrmkit.batch import Batch, scores
+
+    config = tiny_config(**variant("dcn"))
+    model = DLRMFactory(config).random().eval()
+    served, _ = dense._compile(model, config, "bf16", None, (2, 4, 8, 16))
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    split = dataclasses.replace(config, split_rows=4)
+    with ThreadPoolExecutor(1) as pool:
+        for rows in (8, 5, 16, 13, 2):  # made sizes and padded ones, whole and as parts of 4-8 rows
+            d, kjt = probe(config, rows, seed=rows)
+            batch = Batch(d, kjt, [rows])
+            whole = scores(served, batch, config)
+            parts = scores(served, batch, split, pool, 2)
+            assert parts[0] == pytest.approx(whole[0], abs=1e-2)
+
+
 def test_sizes_that_large_batch_rows_runs_on_more_threads_are_made_on_them_at_start(monkeypatch):
     """handler.large_batch_rows: oneDNN makes its kernels per thread count, so the sizes that will
     run on a thread per CPU are run on those threads at start too; the worker's own count after."""
