@@ -232,14 +232,10 @@ def scores(
     parts (at most ``parts``) at once: the first on this thread, the others on the pool's. Each row
     is scored on its own, so the parts' scores are the whole forward's (up to the rounding of
     another GEMM blocking where a part's size differs)."""
-    spans = row_spans(batch.dense.shape[0], config.split_rows, parts) if pool is not None else [(0, 0)]
-    if len(spans) == 1:
+    if pool is None or len(spans := row_spans(batch.dense.shape[0], config.split_rows, parts)) == 1:
         logits = _logits(model, batch.dense, batch.sparse, config)
     else:
-        later = [
-            pool.submit(_logits, model, batch.dense[a:b], rows_of(batch.sparse, a, b), config)  # type: ignore[union-attr]
-            for a, b in spans[1:]
-        ]
+        later = [pool.submit(_logits, model, batch.dense[a:b], rows_of(batch.sparse, a, b), config) for a, b in spans[1:]]
         try:
             (a, b) = spans[0]
             first = _logits(model, batch.dense[a:b], rows_of(batch.sparse, a, b), config)
