@@ -33,7 +33,7 @@ from ts.utils.util import PredictionException
 from dlrmkit.config import DLRMConfig
 from dlrmkit.batch import collate, scores
 from dlrmkit.forms import RequestParser
-from dlrmkit.cpus import available_cpus, forward_threads, torch_threads
+from dlrmkit.cpus import available_cpus, forward_threads, split_parts, torch_threads
 from dlrmkit import dense as dense_half
 from dlrmkit import delta as live
 from dlrmkit.errors import BadRequest, ConfigError, RequestError
@@ -102,7 +102,7 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
                            "per forward even with its kernels for more made at start (DLRMv2 int8 on AMX: p99 120 vs "
                            "75 ms at 10 q/s, docs/performance.md)", self.threads)
         # handler.split_rows: a large forward's parts run at once, on the pool's threads and this one
-        self.split_parts = max(1, self.cpus // max(1, self.threads)) if self.device.type == "cpu" else 1
+        self.split_parts = split_parts(self.threads, self.cpus) if self.device.type == "cpu" else 1
         self.split_pool = (
             # each pool thread on the worker's own thread count (OpenMP's count is per calling thread)
             ThreadPoolExecutor(self.split_parts - 1, "dlrm-split", torch.set_num_threads, (self.threads,))

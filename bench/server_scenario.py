@@ -67,7 +67,7 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
     import torch
 
     from dlrmkit.config import DLRMConfig
-    from dlrmkit.cpus import available_cpus, torch_threads
+    from dlrmkit.cpus import split_parts, torch_threads
 
     key = cfg_path.stem.removeprefix("model-config").strip(".") or "seed"
     items = dict(items)
@@ -131,7 +131,7 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
             # below min queries / max seconds a rate cannot reach LoadGen's query count: INVALID by the cap
             found = mlperf.search(run_at, start, steps=args.steps, floor=args.min_queries / args.max_seconds)
             workers = len(srv.worker_pids(name))
-            most = max(1, available_cpus() // torch_threads(cfg.torch_threads, workers))
+            most = split_parts(torch_threads(cfg.torch_threads, workers))
             profile = query_profile(srv, name, url, pool, model, cfg, args.form, args.profile_reps, most)
         after = host.measure(HOST_BATCH, args.host_seconds)
         stock_after = stock.measure(HOST_BATCH, args.host_seconds) if stock else None

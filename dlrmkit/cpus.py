@@ -105,6 +105,16 @@ def torch_threads(configured: int, workers: int | None, cpus: int | None = None)
     return max(1, cpus // (workers or cpu_rule(cpus).workers))
 
 
+def split_parts(threads: int, cpus: int | None = None) -> int:
+    """The most parts ``handler.split_rows`` runs one forward as: one per ``threads`` (each part's
+    torch threads) of the CPUs this process may use, at least 1.
+
+    >>> split_parts(1, cpus=2), split_parts(2, cpus=2), split_parts(1, cpus=1)
+    (2, 1, 1)
+    """
+    return max(1, (cpus or available_cpus()) // max(1, threads))
+
+
 def forward_threads(rows: int, threads: int, large_batch_rows: int, cpus: int | None = None) -> int:
     """Intra-op threads for one forward of ``rows`` rows: the worker's ``threads``, or a thread per
     available CPU once ``rows`` reaches ``large_batch_rows`` (``handler.large_batch_rows``; 0 = never).

@@ -136,11 +136,11 @@ def test_large_batches_run_as_parts_at_once_where_cpus_allow(served):
     """handler.split_rows: each worker says how many parts a batch of more than 3 rows runs as (one
     per CPU of its own, TorchServe's workers one thread each), or that one CPU leaves nothing to
     split onto; test_concurrent_mixed_requests_... checks the scores of batches of both sizes."""
-    from dlrmkit.cpus import available_cpus, torch_threads
+    from dlrmkit.cpus import split_parts, torch_threads
 
     srv, _ = served
     log = (srv.log_dir / "model_log.log").read_text()
-    parts = available_cpus() // torch_threads(0, None)
+    parts = split_parts(torch_threads(0, None))
     said = (f"a forward of more than 3 rows split into up to {parts} parts at once" if parts > 1
             else "handler.split_rows 3: nothing to split onto")
     assert said in log, log[-3000:]
