@@ -36,7 +36,7 @@ COPY scripts/ /src/scripts/
 COPY build/docker/plugins/ /src/build/plugins/
 # The default model: seeded weights, served on 8080 by `docker run -p 8080:8080 IMAGE`.
 # The cuda variant has none: building it imports fbgemm-gpu, which needs the GPU node's driver.
-RUN cd /src && if [ "${VARIANT}" = cuda ]; then mkdir -p /opt/dlrm/model; else \
+RUN cd /src && export PYTHONPATH=/src && if [ "${VARIANT}" = cuda ]; then mkdir -p /opt/dlrm/model; else \
       /opt/venv/bin/python scripts/kserve_deploy.py layout --out /opt/dlrm/model \
       --mount /opt/dlrm/model --port 8080 --config model-config.yaml; fi
 

@@ -8,7 +8,7 @@ MAR     := model_store/dlrm.mar
 SAMPLE  ?= $(wildcard $(patsubst model-config.%.yaml,sample_requests/%.json,$(filter model-config.%.yaml,$(notdir $(CONFIG)))))
 SAMPLE_ARG = $(if $(SAMPLE),--sample $(SAMPLE))
 PROBE_ARG  = $(if $(SAMPLE),--sample $(SAMPLE),--config $(CONFIG))
-SOURCES := dlrm_handler.py dlrm_factory.py $(wildcard dlrmkit/*.py) scripts/build_mar.py
+SOURCES := dlrm_handler.py $(wildcard dlrmkit/*.py dlrmkit/*/*.py) scripts/build_mar.py
 # A trained checkpoint to serve (docs/trained-models.md): a .pt/.pth file or a DCP directory,
 # whose files the archive then depends on.
 CHECKPOINT ?=

@@ -37,7 +37,7 @@ from dlrmkit.cpus import available_cpus, forward_threads, split_parts, torch_thr
 from dlrmkit import dense as dense_half
 from dlrmkit import delta as live
 from dlrmkit.errors import BadRequest, ConfigError, RequestError
-from dlrm_factory import DLRMFactory
+from dlrmkit.model import DLRMFactory
 from dlrmkit.protocols import BINARY_HEADER, open_request
 from dlrmkit.scale import worker_devices
 

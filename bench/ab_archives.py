@@ -30,8 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import mlperf
-from common import RANKING, ROOT, log, make_kind, measure_load, rows_of, serving, write_report
+from bench import mlperf
+from bench.common import RANKING, ROOT, log, make_kind, measure_load, rows_of, serving, write_report
 
 
 SCENARIO = "scenario"  # KIND of an open-loop point: its number is a query rate

@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "bench")]
 
 # The Criteo 1TB table sizes (torchrec's DLRM example, DEFAULT_CAT_NAMES order).
 CRITEO_1TB_ROWS = [45833188, 36746, 17245, 7413, 20243, 3, 7114, 1441, 62, 29275261, 1572176, 345138, 10, 2209,
@@ -64,7 +63,7 @@ def write_archives(tmp: Path, cap: int, dtypes: list[str]) -> dict[str, Path]:
     import yaml
 
     from dlrmkit.config import DLRMConfig
-    from dlrm_factory import DLRMFactory
+    from dlrmkit.model import DLRMFactory
 
     out = {}
     fp32 = None
@@ -98,7 +97,7 @@ def bench_speed(tmp: Path, device: str, reps: int) -> dict:
 
     from dlrmkit.config import DLRMConfig
     from dlrmkit.batch import Batch, scores
-    from dlrm_factory import DLRMFactory
+    from dlrmkit.model import DLRMFactory
 
     archives = write_archives(tmp, 100_000, DTYPES)
     cfg = {d: DLRMConfig.from_dict(criteo_doc(100_000, d)["handler"]) for d in DTYPES}
@@ -157,7 +156,7 @@ sys.path[:0] = [sys.argv[1]]
 import psutil, torch
 from dlrmkit.config import DLRMConfig
 from dlrmkit.batch import Batch, scores
-from dlrm_factory import DLRMFactory
+from dlrmkit.model import DLRMFactory
 import yaml
 def hwm():  # this process's peak RSS (ru_maxrss would include the parent's: kept across exec)
     return int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
@@ -229,9 +228,9 @@ def bench_workers(tmp: Path, cap: int, counts: list[int]) -> dict:
     import psutil
     import yaml
 
-    import build_mar
+    from scripts import build_mar
     from dlrmkit.config import DLRMConfig
-    from tsctl import Server, post
+    from scripts.tsctl import Server, post
 
     out = {}
     archives = write_archives(tmp, cap, ["fp32", "int8"])

@@ -40,13 +40,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import (  # noqa: F401  (the request kinds, for the scripts that reuse bench_served)
+from bench.common import (  # noqa: F401  (the request kinds, for the scripts that reuse bench_served)
     COLUMNS, COLUMNS_ALL, CRITEO_TSV, HERE, RANKING, RANKING_ROWS, ROOT, V2_BINARY, HostForward, build_archive, serving,
     cpu_seconds, form_of, frontend_pid, jit_cpu_seconds, jit_cpu_since, load_served, log, machine, make_body, make_kind,
     measure_load, metric_value, raw_caller, request_loop, rows_of, timed_calls, unpack, v2_bodies, write_report,
 )
-from load import percentile, run_load
-from tsctl import Server, post
+from bench.load import percentile, run_load
+from scripts.tsctl import Server, post
 
 BATCHES = (1, 32, 128, 512)
 CONCURRENCY = (1, 16, 64)
@@ -619,7 +619,7 @@ def main() -> int:
     import yaml
 
     from dlrmkit.config import DLRMConfig
-    from dlrm_factory import DLRMFactory
+    from dlrmkit.model import DLRMFactory
     from dlrm_handler import TorchRecDLRMHandler
 
     out = Path(args.out)

@@ -53,8 +53,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(HERE)]
-import mlperf  # noqa: E402
+from bench import mlperf  # noqa: E402
 
 RESULTS = ROOT / "results"
 DTYPES = ("int8", "int4")
@@ -66,7 +65,7 @@ def log(msg: str) -> None:
 
 def full_config(dtype: str):
     from dlrmkit.config import DLRMConfig
-    from sizing import full_rows
+    from scripts.sizing import full_rows
 
     path = ROOT / "model-config.dlrmv2.yaml"
     c = DLRMConfig.from_yaml(path)
@@ -133,7 +132,7 @@ def cmd_accuracy(args) -> None:
     import torch
 
     from dlrmkit import stream
-    from dlrm_factory import DLRMFactory
+    from dlrmkit.model import DLRMFactory
     from dlrmkit.scale import DTYPES, copy_tables, quant_ebc
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -353,7 +352,7 @@ def loadgen_server(url: str, queries: Queries, qps: float, seconds: float, min_q
 # --- serve ---------------------------------------------------------------------------------------
 
 def start_server(store: Path, model: str, home: Path, workers: int):
-    from tsctl import Server
+    from scripts.tsctl import Server
 
     srv = Server.on_free_ports(home, model_store=store, overrides={
         "load_models": f"{model}={model}", "default_workers_per_model": str(workers)})
@@ -495,7 +494,7 @@ def cmd_squeeze(args) -> None:
 def host_probe_scores(model_dir: Path, probe: bytes) -> list[float]:
     from dlrmkit.config import DLRMConfig
     from dlrmkit.batch import RequestParser, collate, scores
-    from dlrm_factory import DLRMFactory
+    from dlrmkit.model import DLRMFactory
 
     config = DLRMConfig.from_yaml(model_dir / "model-config.yaml")
     model = DLRMFactory(config).load(model_dir / "dlrm.pt")

@@ -1,6 +1,6 @@
 """The measuring library every bench/ scenario imports: requests, archives, servers, CPU, reports.
 
-    from common import ROOT, build_archive, serving, measure_load, write_report
+    from bench.common import ROOT, build_archive, serving, measure_load, write_report
 
 - requests: ``make_kind`` (single rows, 128-row instances / ranking / columns forms, raw Criteo
   lines, v2 binary), ``raw_caller`` (one forward of a model on random rows);
@@ -31,12 +31,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-for _p in (str(HERE), str(ROOT / "scripts"), str(ROOT)):
-    if _p not in sys.path:
-        sys.path.append(_p)
 
-from load import percentile, run_load  # noqa: E402, F401  (percentile: for the scenarios)
-from tsctl import Server, get  # noqa: E402
+from bench.load import percentile, run_load  # noqa: E402, F401  (percentile: for the scenarios)
+from scripts.tsctl import Server, get  # noqa: E402
 
 RANKING_ROWS = 128
 RANKING = "ranking"  # the 128-row ranking form, beside the 128-row instances form
@@ -174,7 +171,7 @@ def expected_scores(config, weights: Path, bodies: list[bytes]) -> list[list[flo
     -> score) and the archive's weights: what a correct server must answer under any load."""
     from dlrmkit.batch import collate, scores
     from dlrmkit.forms import RequestParser
-    from dlrm_factory import DLRMFactory
+    from dlrmkit.model import DLRMFactory
 
     model, parser = DLRMFactory(config).load(weights), RequestParser(config)
     out = []
@@ -237,7 +234,7 @@ def load_served(cfg, model_dir: Path, freeze: bool = True):
     Returns (model, what runs: dense.prepare's line)."""
     import torch
 
-    from dlrm_factory import DLRMFactory
+    from dlrmkit.model import DLRMFactory
     from dlrmkit import dense
 
     factory = DLRMFactory(cfg)
@@ -260,7 +257,7 @@ def _host_child(conn, cfg_path: str, model_dir: str | None, cpu: int, bags: list
     unfused EmbeddingBagCollection, eager: what torchrec alone runs, no kit, no server)."""
     import torch
 
-    from dlrm_factory import DLRMFactory
+    from dlrmkit.model import DLRMFactory
     from dlrmkit.config import DLRMConfig
 
     os.sched_setaffinity(0, {cpu})

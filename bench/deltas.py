@@ -42,14 +42,12 @@ import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-for p in (ROOT, ROOT / "scripts", ROOT / "tests", ROOT / "bench"):
-    sys.path.insert(0, str(p))
 
 from dlrmkit.delta import delta_path, write_delta  # noqa: E402
-from helpers import DeltaReferences  # noqa: E402
-from common import machine  # noqa: E402
-from load import percentile, run_load  # noqa: E402
-from tsctl import Server, post  # noqa: E402
+from bench.fakes import DeltaReferences  # noqa: E402
+from bench.common import machine  # noqa: E402
+from bench.load import percentile, run_load  # noqa: E402
+from scripts.tsctl import Server, post  # noqa: E402
 
 HOT = 200  # rows per table that every request looks up and every delta rewrites
 TARGET_RATIO = 1.2  # issue 32: ranking p99 during updates <= 1.2 x without, in the same run
@@ -75,7 +73,7 @@ def log(msg: str) -> None:
 
 def serve(tmp: Path, doc: dict, workers: int, checkpoint: Path | None = None):
     """Build the archive of ``doc`` (a model-config) and serve it; returns (server, mar, base)."""
-    import build_mar
+    from scripts import build_mar
 
     doc = {**doc, "minWorkers": workers, "maxWorkers": workers, "batchSize": 16, "maxBatchDelay": 2}
     (tmp / "model-config.yaml").write_text(yaml.safe_dump(doc))
@@ -256,7 +254,7 @@ def under_load(tmp: Path, dtype: str, a, run: int = 1, control: bool = False) ->
 
 
 def freshness(tmp: Path, a) -> dict:
-    import train
+    from scripts import train
 
     common = ["--world-size", "1", "--rows", "1000", "--num-sparse", "4", "--heldout", "2000", "--seed", "1"]
     py = [sys.executable, str(ROOT / "scripts" / "train.py")]

@@ -28,10 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from mlperf import PUBLISHED as MLPERF
+from bench.mlperf import PUBLISHED as MLPERF
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 VARIANTS = ("fp32_eager", "fp32_jit_freeze", "fp32_inductor", "bf16", "int8_static", "int8_dynamic", "torchrec_stock")
 CONFIGS = ("model-config.yaml", "model-config.criteo.yaml", "model-config.dlrmv2.yaml")
@@ -53,7 +52,7 @@ def setup(variant: str, model, cfg, calibration=None):
     precision without native instructions here is compiled regardless (forced)."""
     import torch
 
-    from dlrm_factory import DLRMFactory
+    from dlrmkit.model import DLRMFactory
     from dlrmkit import dense
 
     if variant in ("fp32_eager", "torchrec_stock"):
@@ -79,7 +78,7 @@ def build(variant: str, cfg, weights: str):
     torchrec (the same seeded weights in torchrec's own modules)."""
     import torch
 
-    from dlrm_factory import DLRMFactory
+    from dlrmkit.model import DLRMFactory
     from dlrmkit import dense
 
     factory = DLRMFactory(cfg)
@@ -102,7 +101,7 @@ def speed_worker(rank, cpu, cfg_path, weights, args, barrier, queue) -> None:
     os.sched_setaffinity(0, {cpu})
     import torch
 
-    from dlrm_factory import DLRMFactory
+    from dlrmkit.model import DLRMFactory
 
     torch.set_num_threads(1)
     cfg = load_config(cfg_path, args.rows_cap)
@@ -151,7 +150,7 @@ def speed_config(cfg_path: str, args) -> dict:
 
     import torch
 
-    from dlrm_factory import DLRMFactory
+    from dlrmkit.model import DLRMFactory
 
     cpus = sorted(os.sched_getaffinity(0))
     cfg = load_config(cfg_path, args.rows_cap)

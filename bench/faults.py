@@ -35,12 +35,10 @@ from pathlib import Path
 
 import yaml
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent / "scripts")]
-from load import LoadResult, percentile, run_load  # noqa: E402
-from common import expected_scores, random_instance, same_scores  # noqa: E402
-from tsctl import ROOT, Server  # noqa: E402
+from bench.load import LoadResult, percentile, run_load  # noqa: E402
+from bench.common import expected_scores, random_instance, same_scores  # noqa: E402
+from scripts.tsctl import ROOT, Server  # noqa: E402
 
-sys.path.insert(0, str(ROOT))
 
 MODEL = "dlrm"
 ROWS = (1, 128)  # the issue's mix: single-row and 128-row requests
@@ -59,7 +57,7 @@ class Bench:
     def __init__(self, args, tmp: Path):
         from dlrmkit.config import DLRMConfig
 
-        import build_mar
+        from scripts import build_mar
 
         self.args, self.tmp = args, tmp
         doc = yaml.safe_load((ROOT / "model-config.yaml").read_text())
@@ -380,7 +378,7 @@ async def server_restarted(b: Bench) -> dict:
 
 async def rollout_under_load(b: Bench) -> dict:
     """scripts/rollout.py builds version N+1 from the same config and swaps it in under load."""
-    import rollout
+    from scripts import rollout
 
     def roll():
         return asyncio.to_thread(
@@ -542,7 +540,7 @@ def broken_archives(b: Bench) -> dict[str, str]:
 async def archive_faults(b: Bench) -> dict:
     """Register broken archives with the kit's registration path (scripts/rollout.py --archive,
     which calls the management API) while the good model serves."""
-    import rollout
+    from scripts import rollout
 
     answers = {}
 

@@ -30,8 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import RANKING, ROOT, build_archive, log, make_kind, measure_load, rows_of, write_report
-from tsctl import Server
+from bench.common import RANKING, ROOT, build_archive, log, make_kind, measure_load, rows_of, write_report
+from scripts.tsctl import Server
 
 # name -> (config.properties overrides, model-config overrides). "shipped" is the kit's own.
 SETTINGS = {

@@ -23,8 +23,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "bench")]
 
 
 def status(field: str) -> int:
@@ -42,7 +40,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import subprocess
 
-    import build_mar
+    from scripts import build_mar
 
     with tempfile.TemporaryDirectory(prefix="measure-import-") as tmp:
         tmp = Path(tmp)

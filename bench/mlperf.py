@@ -1,6 +1,6 @@
 """MLPerf Inference's Server scenario, run by MLPerf's own LoadGen against a served model over HTTP.
 
-    import mlperf
+    from bench import mlperf
     pool = mlperf.query_pool(cfg, 256, seed=11)                 # (pairs, body, headers) queries, 100-700 pairs
     r = mlperf.run(url, pool, qps=20, seconds=25, out=Path("results/loadgen/criteo-20qps"))
     r["valid"], r["p99_ms"], r["pairs_per_s"]                   # LoadGen's verdict and percentiles
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
-from common import ROOT, cpu_snapshot, make_instance
+from bench.common import ROOT, cpu_snapshot, make_instance
 
 BINARY_HEADER = "Inference-Header-Content-Length"
 

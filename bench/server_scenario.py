@@ -30,10 +30,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import mlperf
-from common import HostForward, ROOT, build_archive, frontend_pid, jit_cpu_seconds, load_served, log, machine
-from common import jit_cpu_since, metric_value, serving
-from common import unpack, write_report
+from bench import mlperf
+from bench.common import HostForward, ROOT, build_archive, frontend_pid, jit_cpu_seconds, load_served, log, machine
+from bench.common import jit_cpu_since, metric_value, serving
+from bench.common import unpack, write_report
 
 HOST_BATCH = 256
 # Issue 29's targets per config: pairs/s at the bound over an anchor measured in the same run.

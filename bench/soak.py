@@ -20,12 +20,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent / "scripts")]
-from common import random_instance, same_scores  # noqa: E402
-from load import run_load  # noqa: E402
-from tsctl import ROOT, Server, post, worker_pids  # noqa: E402
+from bench.common import random_instance, same_scores  # noqa: E402
+from bench.load import run_load  # noqa: E402
+from scripts.tsctl import ROOT, Server, post, worker_pids  # noqa: E402
 
-sys.path.insert(0, str(ROOT))
 
 
 def good_requests(rng, n, features, rows, n_dense) -> list[bytes]:

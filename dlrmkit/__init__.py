@@ -1,5 +1,5 @@
-"""The DLRM serving kit's TorchServe-free modules. dlrm_handler.py and dlrm_factory.py stay at
-the archive's root (TorchServe loads them from there) and import these.
+"""The DLRM serving kit's TorchServe-free modules. dlrm_handler.py stays at the archive's root
+(TorchServe loads it from there) and imports these.
 
 A request's way (docs/development.md draws it)::
 
@@ -10,6 +10,6 @@ A request's way (docs/development.md draws it)::
     batch      collate (dense [B, F_dense] + one KeyedJaggedTensor) and scores (one forward)
     errors     the error types, each with its HTTP status
 
-and the model's side: config (DLRMConfig, validated), scale (quantized, mmap'd, sharded tables),
+and the model's side: config (DLRMConfig, validated), model (DLRMFactory), scale (quantized, mmap'd, sharded tables),
 checkpoint (trained checkpoints in), cpus (workers and threads per CPU).
 """

@@ -181,7 +181,7 @@ def plan_import(ckpt: Checkpoint, config: DLRMConfig, feature_order: list[str] |
     not fit is a ConfigError naming it (a table by its checkpoint name and feature), its shape and
     what the config expects; so is a feature order that contradicts the checkpoint's or
     ``feature_order`` (``--feature-order``)."""
-    from dlrm_factory import DLRMFactory
+    from dlrmkit.model import DLRMFactory
 
     factory = DLRMFactory(config)
     model = factory.build("cpu", tables_on_meta=True)

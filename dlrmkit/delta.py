@@ -1196,7 +1196,7 @@ def start_watcher(handler: Any, context: Any, dense: str, devices: list) -> Delt
         logger.warning(
             "the archive has no %s (built before live updates): its base %s computed from the weights", BASE_FILE, base
         )
-    from dlrm_factory import DLRMFactory
+    from dlrmkit.model import DLRMFactory
 
     factory = DLRMFactory(config)
     target = target_for(handler.model, config, factory, handler.model_id[0], base, len(devices) > 1)

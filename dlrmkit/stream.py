@@ -116,7 +116,7 @@ class RandomSource:
     ``DLRMFactory.random`` draws them, the last one rescaled on a probe batch (``finish``)."""
 
     def __init__(self, config: DLRMConfig, seed: int | None = None):
-        from dlrm_factory import DLRMFactory
+        from dlrmkit.model import DLRMFactory
 
         self.config, self.seed = config, config.seed if seed is None else seed
         self.factory = DLRMFactory(dataclasses.replace(config, embedding_dtype="fp32"))
@@ -157,7 +157,7 @@ class RandomSource:
         # the probe scored by the fp32 model over only the rows it reads (ids renumbered)
         small = dataclasses.replace(c, num_embeddings=tuple(max(1, len(w)) for w in self._wanted.values()),
                                     embedding_dtype="fp32")
-        from dlrm_factory import DLRMFactory
+        from dlrmkit.model import DLRMFactory
 
         model = DLRMFactory(small).build("cpu")
         model.load_state_dict({k: v for k, v in self.model.state_dict().items() if not k.startswith(EBC)},
@@ -354,7 +354,7 @@ def _tensor_in_pickle(data: bytes):
 
 def file_bytes(config: DLRMConfig) -> int:
     """About what the weights file takes on disk: the tables' buffer plus the dense layers."""
-    from dlrm_factory import DLRMFactory
+    from dlrmkit.model import DLRMFactory
 
     dense = sum(p.numel() * 4 for k, p in DLRMFactory(config).build("cpu", tables_on_meta=True).state_dict().items()
                 if not k.startswith(EBC))
@@ -403,7 +403,7 @@ def write_weights(path: str | Path, config: DLRMConfig, source, chunk_bytes: int
         views = {f"{TABLES}{s.name}.weight": buf.as_strided((s.rows, s.row_bytes), (s.row_bytes, 1), s.offset)
                  for s in slots}
     # The dense layers' shapes first (their values come from the source after the tables).
-    from dlrm_factory import DLRMFactory
+    from dlrmkit.model import DLRMFactory
 
     skeleton = DLRMFactory(config).build("cpu", tables_on_meta=True).state_dict()
     dense_keys = [k for k in skeleton if not k.startswith(EBC)]

@@ -33,8 +33,6 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def derived_config(src: Path, out: Path, rows, dtype: str) -> None:
@@ -50,7 +48,7 @@ def derived_config(src: Path, out: Path, rows, dtype: str) -> None:
 
 def model_directory(out: Path, config_file: Path, model_name: str, version: str, log=print) -> Path:
     """The no-archive directory at ``out`` with a placeholder weights file (replaced next)."""
-    from build_mar import extra_files
+    from scripts.build_mar import extra_files
     from dlrmkit.config import DLRMConfig
     from dlrmkit.protocols import METADATA_FILE, model_metadata
 
@@ -103,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
         config = DLRMConfig.from_yaml(args.config)
         rows = config.num_embeddings
         if args.full:
-            from sizing import full_rows
+            from scripts.sizing import full_rows
 
             rows = full_rows(args.config, config)
             if rows is None:

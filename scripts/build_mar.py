@@ -36,22 +36,20 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 # Shipped beside the handler in the archive, whose root TorchServe puts on the worker's sys.path:
-# the model file and the kit's package (every module of dlrmkit/, as dlrmkit/ in the archive).
-EXTRA_FILES = ["dlrm_factory.py"]
+# the kit's package (every module of dlrmkit/, as dlrmkit/ in the archive).
 PACKAGE = "dlrmkit"
 
 
 def extra_files(tmp: Path) -> list[str]:
-    """torch-model-archiver's --extra-files: EXTRA_FILES and a folder in ``tmp`` holding the
+    """torch-model-archiver's --extra-files: a folder in ``tmp`` holding the
     package (the archiver copies a directory's entries to the archive's root, so the package
     sits in a folder of its own to land as dlrmkit/)."""
     stage = tmp / "package"
     shutil.rmtree(stage, ignore_errors=True)
     shutil.copytree(ROOT / PACKAGE, stage / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
-    return [*(str(ROOT / f) for f in EXTRA_FILES), str(stage)]
+    return [str(stage)]
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -100,7 +98,7 @@ def main(argv: list[str] | None = None) -> Path:
     from dlrmkit.config import DLRMConfig
     from dlrmkit.delta import BASE_FILE, base_version
     from dlrmkit.errors import BadRequest, ConfigError
-    from dlrm_factory import DLRMFactory
+    from dlrmkit.model import DLRMFactory
     from dlrmkit.protocols import METADATA_FILE, model_metadata
 
     order = [f.strip() for f in args.feature_order.split(",")] if args.feature_order else None

@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 # scripts/train.py arguments: its default DCN; the Criteo layout (13 dense, 26 sparse, D 64, the
 # criteo config's MLPs, dot interaction; 1,000 rows a table: train.py takes one row count for all);
@@ -67,8 +66,8 @@ def compiled(model, cfg, precision: str, calibration):
 def contract_model(name: str, heldout: int, tmp: Path) -> dict:
     import torch
 
-    import train
-    from dlrm_factory import DLRMFactory
+    from scripts import train
+    from dlrmkit.model import DLRMFactory
     from dlrmkit import checkpoint, dense
     from dlrmkit.batch import collate
     from dlrmkit.config import DLRMConfig

@@ -81,7 +81,7 @@ class Harness:
     def __init__(self, target: str):
         import torch
 
-        from dlrm_factory import DLRMFactory
+        from dlrmkit.model import DLRMFactory
         from dlrmkit.forms import RequestParser
 
         torch.set_num_threads(1)
@@ -368,7 +368,6 @@ def main() -> None:
     y = sub.add_parser("replay", help="check saved inputs against the invariant; exit 1 on a failure")
     y.add_argument("files", nargs="+", type=Path, help="tests/fuzz/<target>/<name>: the folder names the target")
     a = p.parse_args()
-    sys.path.insert(0, str(ROOT))
 
     if a.cmd == "run":
         fuzz(a.target, a.libfuzzer, a.crashes)

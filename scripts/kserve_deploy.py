@@ -28,8 +28,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 MOUNT = "/mnt/models"  # where KServe's storage initializer puts storageUri's files
 INFERENCE_PORT = 8085  # KServe's TorchServe sample config; the runtime's container port
@@ -95,7 +93,7 @@ def layout(args) -> Path:
     if args.mar:
         shutil.copyfile(args.mar, mar)
     else:
-        import build_mar
+        from scripts import build_mar
 
         build_mar.main(["--config", str(args.config), "--output-dir", str(mar.parent),
                         "--model-name", args.model_name, "--force"])
@@ -120,7 +118,7 @@ def sizing_patch(config_path: Path, kind: str = "InferenceService", cpus: int = 
     Deployment's container, for a pod of ``cpus`` CPUs."""
     import yaml
 
-    import sizing
+    from scripts import sizing
     from dlrmkit.config import DLRMConfig
 
     config = DLRMConfig.from_yaml(config_path)

@@ -30,8 +30,7 @@ import urllib.parse
 import zipfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tsctl import ROOT, Server, request  # noqa: E402
+from scripts.tsctl import ROOT, Server, request  # noqa: E402
 
 
 class RolloutError(Exception):

@@ -17,8 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tsctl import ROOT, Server  # noqa: E402
+from scripts.tsctl import ROOT, Server  # noqa: E402
 
 
 def server(args) -> Server:
@@ -83,7 +82,6 @@ def stop(args) -> int:
 def probe_from_config(config: str, home: Path) -> Path:
     """A one-row request any model of ``config`` scores: dense zeros, id 0 in every table (for a
     config written from a checkpoint, which has no sample request of its own)."""
-    sys.path.insert(0, str(ROOT))
     from dlrmkit.config import DLRMConfig
 
     c = DLRMConfig.from_yaml(config)

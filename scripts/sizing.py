@@ -51,7 +51,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -171,7 +170,7 @@ def _dense_params(c) -> int:
     read off the config's model built on ``meta`` (no memory): exact for every interaction."""
     import torch
 
-    from dlrm_factory import DLRMFactory
+    from dlrmkit.model import DLRMFactory
     from dlrmkit.scale import EBC
 
     with torch.device("meta"):

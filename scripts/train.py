@@ -44,7 +44,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the kit's modules: the Criteo transform and the AUC the build's --verify prints
 
 from dlrmkit.checkpoint import auc  # noqa: E402
 from dlrmkit.dense import CALIBRATION_ROWS  # noqa: E402  (the rows --calibrate keeps)

@@ -28,10 +28,6 @@ BIN = ROOT / ".venv" / "bin"
 def default_workers() -> int:
     """Workers per model when neither the properties nor the model's config set them: the CPU
     rule for the CPUs this process (and so the TorchServe it starts) may use (dlrmkit/cpus.py)."""
-    import sys
-
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
     from dlrmkit.cpus import available_cpus, cpu_rule
 
     return cpu_rule(available_cpus()).workers

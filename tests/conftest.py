@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "bench"))
 
 from dlrmkit.config import DLRMConfig  # noqa: E402
-from dlrm_factory import DLRMFactory  # noqa: E402
+from dlrmkit.model import DLRMFactory  # noqa: E402
 
 TINY = {
     "num_dense_features": 5,

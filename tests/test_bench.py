@@ -17,9 +17,9 @@ import pytest
 import yaml
 from conftest import ROOT, TINY, FakeContext, tiny_config, variant
 
-import common
-import mlperf
-import server_scenario
+from bench import common
+from bench import mlperf
+from bench import server_scenario
 
 
 def test_overlay_sends_each_key_where_it_belongs():
@@ -451,7 +451,7 @@ def test_server_scenario_under_loadgen_against_a_real_torchserve(tmp_path):
 def test_delta_load_windows_pair_with_and_without_in_a_seeded_order():
     """bench/deltas.py: after the warm-up, every pair of 5-s windows has one with deltas and one
     without, the order drawn per run (a periodic event of the host must not fall in one phase)."""
-    import deltas
+    from bench import deltas
 
     phases = deltas.window_phases(120, seed=1)
     assert len(phases) == 24 and phases[:2] == [None, None]

@@ -9,12 +9,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 import yaml
 
-import build_mar
+from scripts import build_mar
 from conftest import TINY, call, tiny_config, variant
 from dlrmkit.checkpoint import TABLES, import_checkpoint
 from dlrmkit.config import DLRMConfig
 from dlrmkit.errors import ConfigError
-from dlrm_factory import DLRMFactory
+from dlrmkit.model import DLRMFactory
 
 # dcp.save / load in one process warn that they assume one: that is the point here.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -128,7 +128,7 @@ def test_write_config_derives_a_config_that_builds_and_serves_the_same_scores(tm
 def test_make_serve_probes_a_written_config_with_a_request_built_from_it(tmp_path, handler):
     """serve.py --config (make serve CONFIG=... CHECKPOINT=...): a config written from a checkpoint
     has no sample request; the probe is one row of it, which the model scores."""
-    import serve
+    from scripts import serve
 
     config = tmp_path / "derived.yaml"
     config.write_text(yaml.safe_dump({"handler": TINY}))

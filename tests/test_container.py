@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -28,8 +27,7 @@ from conftest import ROOT, TINY, tiny_config, variant
 from helpers import grpc_modules, instance
 from test_kserve_server import DENSE_ROWS, ROWS, triton
 
-sys.path.insert(0, str(ROOT / "bench"))
-import container_stop  # noqa: E402
+from bench import container_stop  # noqa: E402
 
 pytestmark = pytest.mark.container
 
@@ -116,7 +114,7 @@ def ready(c: Container, port: int = 8085, body: bytes | None = None, timeout: fl
 
 def make_layout(handler: dict) -> Path:
     """scripts/kserve_deploy.py layout of a tiny config, readable by uid 1000 (under a temp folder)."""
-    import kserve_deploy
+    from scripts import kserve_deploy
 
     out = Path(tempfile.mkdtemp(prefix="dlrm-layout-"))
     config = out / "model-config.yaml"
@@ -155,7 +153,7 @@ def served(image, layout, runtime_args):
 def reference(rows: list[dict]) -> np.ndarray:
     from dlrmkit.batch import collate, scores
     from dlrmkit.forms import RequestParser
-    from dlrm_factory import DLRMFactory
+    from dlrmkit.model import DLRMFactory
 
     config = tiny_config()
     batch, bad = collate([RequestParser(config).parse(json.dumps({"instances": rows}))], config)
@@ -245,7 +243,7 @@ def test_sigterm_under_load_answers_every_accepted_request_and_exits_0(image, la
 COMPILE_IN_IMAGE = """
 import json, sys, torch
 sys.path[:0] = ["/kit"]
-from dlrm_factory import DLRMFactory
+from dlrmkit.model import DLRMFactory
 from dlrmkit import dense
 from dlrmkit.config import DLRMConfig
 config = DLRMConfig.from_dict(json.loads(sys.argv[1]))
@@ -275,7 +273,7 @@ def test_an_int8_archive_serves_in_the_image_as_in_process(image, runtime_args):
     from dlrmkit import dense
     from dlrmkit.batch import collate, scores
     from dlrmkit.forms import RequestParser
-    from dlrm_factory import DLRMFactory
+    from dlrmkit.model import DLRMFactory
     import torch
 
     handler = {**TINY, **variant("dcn"), "dense_precision": "int8"}
@@ -313,7 +311,7 @@ def test_default_docker_run_serves_the_readme_seed_request(image):
     from dlrmkit.config import DLRMConfig
     from dlrmkit.batch import collate, scores
     from dlrmkit.forms import RequestParser
-    from dlrm_factory import DLRMFactory
+    from dlrmkit.model import DLRMFactory
 
     body = (ROOT / "sample_requests" / "seed_single.json").read_bytes()
     c = Container(image, ports=(8080,))

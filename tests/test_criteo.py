@@ -19,7 +19,7 @@ from dlrmkit import criteo
 from conftest import FakeContext
 from dlrmkit.config import DLRMConfig
 from dlrmkit.errors import BadRequest, ConfigError
-from dlrm_factory import DLRMFactory
+from dlrmkit.model import DLRMFactory
 
 TSV = "text/tab-separated-values"
 ROWS = [7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53] * 2  # 26 small tables, ids folded

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import yaml
 
-import build_mar
+from scripts import build_mar
 from conftest import ROOT
 from helpers import metrics_delta, settled
 from test_criteo import MIN_DENSE, TSV, criteo_line, torchrec_rows
-from tsctl import Server, post
+from scripts.tsctl import Server, post
 
 pytestmark = pytest.mark.integration
 TABLE_ROWS = 50

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import TINY, FakeContext, tiny_config
-from dlrm_factory import DLRMFactory
+from dlrmkit.model import DLRMFactory
 from dlrmkit.delta import (
     BASE_FILE,
     DeltaApplier,
@@ -262,7 +262,7 @@ def test_no_delta_dir_no_watcher(handler):
 
 
 def test_publish_delta_from_two_checkpoints(tmp_path, model):
-    import publish_delta
+    from scripts import publish_delta
 
     new = trained_further(model)
     torch.save(model.state_dict(), tmp_path / "old.pt")
@@ -282,7 +282,7 @@ def test_publish_delta_from_two_checkpoints(tmp_path, model):
 
 def test_a_trainer_publishing_every_n_steps_reproduces_its_checkpoint(tmp_path):
     """checkpoint A + every delta the resumed trainer published == its checkpoint B, bit for bit."""
-    import train
+    from scripts import train
 
     from dlrmkit.checkpoint import import_checkpoint, write_config
 

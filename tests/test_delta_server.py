@@ -21,8 +21,9 @@ import yaml
 
 from conftest import TINY
 from dlrmkit.delta import UNGUARDED_ENV, delta_path, write_delta
-from helpers import DENSE, DeltaReferences, instance, wait_until
-from tsctl import Server, get, post
+from bench.fakes import DeltaReferences
+from helpers import DENSE, instance, wait_until
+from scripts.tsctl import Server, get, post
 
 pytestmark = pytest.mark.integration
 
@@ -39,7 +40,7 @@ def rows_delta(seed: int) -> dict:
 
 
 def start(tmp, workers: int, dtype: str, env: dict | None = None):
-    import build_mar
+    from scripts import build_mar
 
     handler = {**TINY, "embedding_dtype": dtype, "delta_dir": str(tmp / "deltas"), "delta_poll_s": 0.05}
     config = tmp / "model-config.yaml"

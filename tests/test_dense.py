@@ -15,7 +15,7 @@ from torchrec.modules.crossnet import LowRankCrossNet
 from conftest import ROOT, tiny_config, variant
 from dlrmkit import dense
 from dlrmkit.errors import ConfigError
-from dlrm_factory import DLRMFactory
+from dlrmkit.model import DLRMFactory
 
 
 def probe(config, rows=64, seed=1):
@@ -194,7 +194,7 @@ def test_a_worker_whose_torch_may_use_no_vector_instructions_serves_fp32_and_say
     code could use no SIMD, so the dense half stays fp32 with the reason in the log line."""
     code = (
         "import sys, torch; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/tests']; from conftest import tiny_config;"
-        "from dlrm_factory import DLRMFactory; from dlrmkit import dense;"
+        "from dlrmkit.model import DLRMFactory; from dlrmkit import dense;"
         "c = tiny_config(dense_precision='int8'); m = DLRMFactory(c).random();"
         "s, what = dense.compile_dense(m, c, 'int8'); print(what); assert s is m"
     )

@@ -122,7 +122,7 @@ def test_validation_catches_a_typo():
 @pytest.mark.parametrize("kind, path", [("InferenceService", "base/sizing.yaml"), ("Deployment", "plain/sizing.yaml")])
 def test_sizing_patches_match_the_shipped_config(kind, path):
     """Resources and probe timings come from scripts/sizing.py for model-config.yaml."""
-    import kserve_deploy
+    from scripts import kserve_deploy
 
     fresh = kserve_deploy.sizing_patch(ROOT / "model-config.yaml", kind)
     assert (DEPLOY / path).read_text() == fresh, f"regenerate {path}: python scripts/kserve_deploy.py sizing --kind {kind}"
@@ -134,7 +134,7 @@ def test_sizing_patches_match_the_shipped_config(kind, path):
 
 
 def test_layout_properties_are_what_the_runtime_reads(tmp_path):
-    import kserve_deploy
+    from scripts import kserve_deploy
 
     config = tmp_path / "c.yaml"
     config.write_text("batchSize: 32\nmaxBatchDelay: 7\nresponseTimeout: 90\nhandler: {}\n")

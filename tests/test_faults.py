@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory) -> dict[str, dict]:
-    import faults
+    from bench import faults
 
     out = tmp_path_factory.mktemp("faults") / "faults.json"
     faults.main(["--short", "--json", str(out)])

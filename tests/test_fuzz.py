@@ -13,8 +13,7 @@ import pytest
 
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "scripts"))
-import fuzz  # noqa: E402
+from scripts import fuzz  # noqa: E402
 
 FOUND = sorted((ROOT / "tests" / "fuzz").glob("*/*"))
 

@@ -17,7 +17,7 @@ import yaml
 
 from conftest import tiny_config
 from helpers import grpc_modules, instance, metrics_delta, settled
-from tsctl import BIN, Server, post
+from scripts.tsctl import BIN, Server, post
 
 pytestmark = pytest.mark.integration
 
@@ -45,7 +45,7 @@ def reference():
     """The two rows' scores from the in-process model the archive was built from."""
     from dlrmkit.batch import collate, scores
     from dlrmkit.forms import RequestParser
-    from dlrm_factory import DLRMFactory
+    from dlrmkit.model import DLRMFactory
 
     config = tiny_config()
     batch, bad = collate([RequestParser(config).parse(json.dumps({"instances": ROWS}))], config)
@@ -58,7 +58,7 @@ def server(tmp_path_factory):
     """The layout and the runtime's command line (deploy/kserve's ServingRuntime adds
     --foreground to keep the container's process; here TorchServe daemonizes as with the stock
     runtime); TS_* variables move the ports to loopback, as enable_envvars_config allows."""
-    import kserve_deploy
+    from scripts import kserve_deploy
     from conftest import TINY
 
     tmp = tmp_path_factory.mktemp("kserve")
@@ -312,7 +312,7 @@ def test_tritonclient_single_hot_request_is_read_whole_and_scores_as_its_rows(se
 
 def test_the_layout_carries_the_oip_endpoints(server):
     """kserve_deploy.py layout copies the plugin into plugins/ and points plugins_path there."""
-    from tsctl import get
+    from scripts.tsctl import get
 
     status, body, _ = get(server.url + "/v2/models/dlrm/ready")
     assert (status, json.loads(body)) == (200, {"name": "dlrm", "ready": True})

@@ -10,7 +10,7 @@ import torch
 from conftest import ROOT, TINY, tiny_config
 from dlrmkit.config import DLRMConfig
 from dlrmkit.errors import ConfigError
-from dlrm_factory import DLRMFactory
+from dlrmkit.model import DLRMFactory
 
 
 @pytest.mark.parametrize(
@@ -131,7 +131,7 @@ def test_mean_pooling_config_builds_and_differs(model):
 
 
 def test_repo_layout_has_the_user_files():
-    for name in ["dlrm_handler.py", "dlrm_factory.py", "model-config.yaml", "config.properties",
+    for name in ["dlrm_handler.py", "dlrmkit/model.py", "model-config.yaml", "config.properties",
                  "README.md", "pyproject.toml", "Makefile", ".ci/run"]:
         assert (ROOT / name).is_file(), name
     assert Path(ROOT / "sample_requests").is_dir()

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from conftest import TINY
-from tsctl import ROOT, Server, get, post
+from scripts.tsctl import ROOT, Server, get, post
 
 pytestmark = pytest.mark.integration
 
@@ -36,7 +36,7 @@ def put(url: str) -> int:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     assert PLUGIN.is_file(), f"{PLUGIN} is missing: run `make plugin` (make test builds it)"
-    import build_mar
+    from scripts import build_mar
 
     tmp = tmp_path_factory.mktemp("oip")
     config = tmp / "model-config.yaml"
@@ -198,7 +198,7 @@ def test_grpc_clients_find_no_oip_service_on_torchserve(server):
 
     import grpc
 
-    from tsctl import BIN
+    from scripts.tsctl import BIN
 
     jar = next((BIN.parent / "lib").glob("python3*/site-packages/ts/frontend/model-server.jar"))
     with zipfile.ZipFile(jar) as z:

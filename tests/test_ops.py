@@ -142,7 +142,7 @@ def test_timeouts_are_sized_from_the_model(name):
 
 
 def test_next_version_counts_on_from_the_major():
-    from rollout import RolloutError, next_version
+    from scripts.rollout import RolloutError, next_version
 
     assert [next_version(v) for v in ("1.0", "7", "2.3", "9.0")] == ["2.0", "8", "3.0", "10.0"]
     with pytest.raises(RolloutError, match="pass --version"):
@@ -150,7 +150,7 @@ def test_next_version_counts_on_from_the_major():
 
 
 def test_archive_version_reads_the_manifest(tmp_path):
-    from rollout import RolloutError, archive_version
+    from scripts.rollout import RolloutError, archive_version
 
     mar = tmp_path / "dlrm-v4.mar"
     with zipfile.ZipFile(mar, "w") as z:
@@ -164,8 +164,8 @@ def test_archive_version_reads_the_manifest(tmp_path):
 
 
 def test_scripts_say_when_no_server_was_started(tmp_path, capsys):
-    import rollout
-    import serve
+    from scripts import rollout
+    from scripts import serve
 
     assert serve.main(["ready", "--home", str(tmp_path)]) == 1
     assert "not ready: no server was started from" in capsys.readouterr().out
@@ -180,7 +180,7 @@ def test_free_ports_lie_below_the_ephemeral_range_and_are_never_given_twice(tmp_
     range could be taken between the choice and TorchServe's bind (a CI run failed so)."""
     import socket
 
-    import tsctl
+    from scripts import tsctl
 
     ports = [tsctl.free_port() for _ in range(50)]
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])

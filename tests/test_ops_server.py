@@ -16,7 +16,7 @@ import yaml
 from conftest import ROOT
 from helpers import body, instance, metrics_delta as wait_for, scrape, settled, wait_until
 from test_server import SAMPLES, build_archive
-from tsctl import Server, get, post
+from scripts.tsctl import Server, get, post
 
 pytestmark = pytest.mark.integration
 
@@ -92,7 +92,7 @@ def test_rejections_are_logged_with_both_request_ids_and_client_ids_are_echoed(s
 
 
 def test_readiness_probe_and_liveness(server, capsys):
-    import serve
+    from scripts import serve
 
     assert serve.main(["ready", "--home", str(server.home)]) == 0
     assert "ready: " in capsys.readouterr().out
@@ -106,7 +106,7 @@ def test_rollout_under_load_loses_no_request(server, tmp_path):
     """The default path: build version N+1 (2.0) from a model config, roll it out while clients
     keep sending. 2.0 folds out-of-range ids (id_overflow: modulo), so it tells itself apart from
     1.0, which answers them with 400."""
-    import rollout
+    from scripts import rollout
 
     assert default_version(server) == "1.0"
     doc = yaml.safe_load((ROOT / "model-config.yaml").read_text())
@@ -150,7 +150,7 @@ def test_rollout_under_load_loses_no_request(server, tmp_path):
 def broken_archives(srv, tmp: Path) -> dict[str, str]:
     """Two ways to be broken, as version 3.0: weights that do not load; a model that loads but
     cannot score the probe (13 dense features, the probe has 5)."""
-    import build_mar
+    from scripts import build_mar
 
     src = srv.model_store / "dlrm.mar"
     with zipfile.ZipFile(src) as z:
@@ -173,7 +173,7 @@ def broken_archives(srv, tmp: Path) -> dict[str, str]:
 
 
 def test_rollout_to_a_broken_archive_fails_cleanly(server, tmp_path, capsys):
-    import rollout
+    from scripts import rollout
 
     serving = default_version(server)
     before = versions(server)
@@ -189,7 +189,7 @@ def test_rollout_to_a_broken_archive_fails_cleanly(server, tmp_path, capsys):
 
 
 def test_rollback_returns_to_the_previous_version(server):
-    import rollout
+    from scripts import rollout
 
     assert default_version(server) == "2.0"
     assert rollout.main(["--home", str(server.home), "--rollback", "--timeout", "120"]) == 0

@@ -16,7 +16,7 @@ import torch
 from conftest import ROOT, TINY, FakeContext, call, tiny_config
 from dlrmkit.config import DLRMConfig
 from dlrmkit.errors import ConfigError
-from dlrm_factory import DLRMFactory
+from dlrmkit.model import DLRMFactory
 from dlrmkit.scale import EBC, quantize, shard, sharded_placement, table_bytes, worker_devices
 from helpers import DENSE, archive, batch, body, forward, instance, mapped_file
 
@@ -116,7 +116,7 @@ def test_int8_archive_with_wrong_rows_names_the_table(tmp_path, model):
 def test_build_mar_quantizes_a_checkpoint(tmp_path, model, weights):
     import zipfile
 
-    import build_mar
+    from scripts import build_mar
     import yaml
 
     doc = yaml.safe_load((ROOT / "model-config.yaml").read_text())
@@ -310,7 +310,7 @@ def test_ten_million_row_int8_table_is_served_without_its_fp32_copy(tmp_path):
         import sys, json, torch
         sys.path[:0] = [{str(ROOT)!r}]
         from dlrmkit.config import DLRMConfig
-        from dlrm_factory import DLRMFactory
+        from dlrmkit.model import DLRMFactory
         f = DLRMFactory(DLRMConfig.from_dict(json.loads({json.dumps(section)!r})))
         torch.save(f.archive_state(f.random()), {str(tmp_path / "dlrm.pt")!r})
     """)], check=True)

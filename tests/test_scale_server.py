@@ -13,9 +13,9 @@ from conftest import ROOT
 from dlrmkit.config import DLRMConfig
 from dlrmkit.batch import collate, scores
 from dlrmkit.forms import RequestParser
-from dlrm_factory import DLRMFactory
+from dlrmkit.model import DLRMFactory
 from helpers import wait_until
-from tsctl import Server, post
+from scripts.tsctl import Server, post
 
 pytestmark = pytest.mark.integration
 
@@ -24,7 +24,7 @@ TOL = {"int8": 0.02, "fp16": 1e-3}  # max |probability - fp32 probability| on th
 
 
 def build(tmp: Path, dtype: str, **top) -> None:
-    import build_mar
+    from scripts import build_mar
 
     doc = yaml.safe_load((ROOT / "model-config.yaml").read_text())
     doc["handler"]["embedding_dtype"] = dtype

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import ROOT
 from test_server import SAMPLES, build_archive
-from tsctl import Server, get, post, read_properties
+from scripts.tsctl import Server, get, post, read_properties
 
 DEV = read_properties(ROOT / "config.properties")
 PROD = read_properties(ROOT / "config.production.properties")

@@ -12,7 +12,7 @@ import yaml
 
 from conftest import ROOT
 from helpers import instance, metrics_delta, settled
-from tsctl import Server, get, post, request
+from scripts.tsctl import Server, get, post, request
 
 pytestmark = pytest.mark.integration
 
@@ -21,7 +21,7 @@ SAMPLES = ROOT / "sample_requests"
 
 def build_archive(tmp: Path, **top_level) -> Path:
     """The shipped model-config.yaml, with TorchServe keys changed for the test."""
-    import build_mar
+    from scripts import build_mar
 
     doc = yaml.safe_load((ROOT / "model-config.yaml").read_text())
     doc.update(top_level)
@@ -192,8 +192,8 @@ def test_management_and_metrics_are_loopback_only_and_model_api_is_store_only(se
 def test_rollout_and_rollback_with_token_auth_off(server, tmp_path):
     """scripts/rollout.py on the development config (tests/test_ops_server.py covers token auth
     on, a rollout under load and broken archives). Leaves 1.0 serving, as it found it."""
-    import build_mar
-    import rollout
+    from scripts import build_mar
+    from scripts import rollout
 
     build_mar.main(["--output-dir", str(tmp_path), "--version", "1.1"])
     (tmp_path / "dlrm.mar").rename(server.model_store / "dlrm-v1.1.mar")

@@ -16,7 +16,7 @@ from dlrmkit import stream
 from conftest import tiny_config
 from dlrmkit.checkpoint import import_checkpoint
 from dlrmkit.errors import ConfigError
-from dlrm_factory import DLRMFactory
+from dlrmkit.model import DLRMFactory
 from dlrmkit.scale import fused_tables, quant_ebc
 from helpers import batch
 
@@ -127,7 +127,7 @@ def test_the_disk_check_names_what_is_needed(tmp_path):
 
 
 def test_build_big_writes_a_no_archive_model_directory(tmp_path):
-    import build_big
+    from scripts import build_big
     import yaml
 
     from conftest import TINY
@@ -175,7 +175,7 @@ def test_rows_paged_out_between_requests_come_back_from_disk_with_the_same_score
 # --- sizing's rule for memory-mapped tables larger than memory -----------------------------------
 
 def test_zipf_mass_and_hot_rows_match_the_brute_force_sums():
-    from sizing import hot_rows, zipf_mass
+    from scripts.sizing import hot_rows, zipf_mass
 
     for s in (0.8, 1.0, 1.05, 1.3):
         exact = [0.0]
@@ -189,7 +189,7 @@ def test_zipf_mass_and_hot_rows_match_the_brute_force_sums():
 
 
 def test_working_set_counts_the_pages_the_hot_rows_scatter_over():
-    from sizing import hot_rows, working_set
+    from scripts.sizing import hot_rows, working_set
 
     # 1,000 hot rows of 144 bytes among 100,000 pages: ~995 distinct pages, not 144 KB
     rows = 100_000 * 4096 // 144
@@ -204,7 +204,7 @@ def test_working_set_counts_the_pages_the_hot_rows_scatter_over():
 
 
 def test_sizing_no_longer_says_zero_workers_for_the_full_dlrmv2_at_int8(capsys):
-    import sizing
+    from scripts import sizing
 
     from conftest import ROOT
 

@@ -17,8 +17,8 @@ from conftest import ROOT
 from dlrmkit.config import DLRMConfig
 from dlrmkit.batch import collate, scores
 from dlrmkit.forms import RequestParser
-from dlrm_factory import DLRMFactory
-from tsctl import Server, post
+from dlrmkit.model import DLRMFactory
+from scripts.tsctl import Server, post
 
 pytestmark = pytest.mark.integration
 
@@ -62,7 +62,7 @@ def major_faults(pid: int) -> int:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    import build_big
+    from scripts import build_big
 
     tmp = tmp_path_factory.mktemp("ts-big")
     doc = yaml.safe_load((ROOT / "model-config.yaml").read_text())

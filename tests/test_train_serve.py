@@ -15,11 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import yaml
 
-import build_mar
+from scripts import build_mar
 from conftest import ROOT
 from helpers import metrics_delta, settled
-from train import auc
-from tsctl import Server, post
+from scripts.train import auc
+from scripts.tsctl import Server, post
 
 pytestmark = pytest.mark.integration
 
@@ -147,7 +147,7 @@ def test_every_variant_imports_to_the_trained_models_scores(tmp_path, interactio
 
     from dlrmkit.checkpoint import import_checkpoint
     from dlrmkit.config import DLRMConfig
-    from dlrm_factory import DLRMFactory
+    from dlrmkit.model import DLRMFactory
 
     subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "--out", str(tmp_path), "--world-size", "1",
                     "--interaction", interaction, "--steps", "40", "--heldout", "200"], check=True, timeout=300)

@@ -15,7 +15,7 @@ from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRM_Projection
 from conftest import ROOT, TINY, FakeContext, call, tiny_config, variant
 from dlrmkit.config import INTERACTIONS, DLRMConfig
 from dlrmkit.errors import ConfigError
-from dlrm_factory import DLRMFactory
+from dlrmkit.model import DLRMFactory
 from dlrmkit.scale import EBC, quantize, sharded_placement
 from helpers import archive, batch, body, forward, instance, mapped_file
 
@@ -269,7 +269,7 @@ def test_handler_batch_scores_each_request_as_alone(tmp_path, models, interactio
 
 
 def test_sizing_counts_the_cross_network_and_sizes_the_uncapped_dlrmv2(capsys):
-    import sizing
+    from scripts import sizing
 
     rep = sizing.main(["--config", str(ROOT / "model-config.dlrmv2.yaml"), "--memory", "24GiB", "--json"])
     capsys.readouterr()

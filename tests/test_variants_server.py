@@ -17,9 +17,9 @@ from conftest import ROOT, variant
 from dlrmkit.config import DLRMConfig
 from dlrmkit.batch import collate, scores
 from dlrmkit.forms import RequestParser
-from dlrm_factory import DLRMFactory
+from dlrmkit.model import DLRMFactory
 from helpers import instance, metrics_delta, settled
-from tsctl import Server, post
+from scripts.tsctl import Server, post
 
 pytestmark = pytest.mark.integration
 
@@ -30,7 +30,7 @@ PROBE = (ROOT / "sample_requests" / "seed_multi_hot.json").read_bytes()
 def build(tmp: Path, name: str, interaction: str, dtype: str) -> Path:
     """The shipped model-config.yaml as ``interaction`` with ``dtype`` tables; a long batch
     delay makes concurrent requests share TorchServe batches."""
-    import build_mar
+    from scripts import build_mar
 
     doc = yaml.safe_load((ROOT / "model-config.yaml").read_text())
     doc.update(batchSize=8, maxBatchDelay=100)
@@ -149,7 +149,7 @@ def test_large_batches_run_as_parts_at_once_where_cpus_allow(served):
 def test_rollout_and_rollback_of_a_variant(served, tmp_path):
     """scripts/rollout.py builds the next version of the int8 projection model from its config
     with another seed, which then serves its own in-process scores; --rollback restores 1.0's."""
-    import rollout
+    from scripts import rollout
 
     srv, local = served
     name = "dlrm_projection"

@@ -1,7 +1,7 @@
 """DLRMFactory: a torchrec DLRM from a ``DLRMConfig``: seeded random weights or archived weights.
 
-TorchServe imports this file from the archive; it defines exactly one class, as TorchServe's
-model loader requires.
+The handler builds the served model with it; the build scripts, checkpoint import and live
+updates use it to lay out the same model.
 """
 
 from __future__ import annotations
