@@ -1,6 +1,6 @@
 """The network-facing parsers under fuzzing (scripts/fuzz.py): the inputs the campaign found
 replayed against the invariant, their exact answers, and a short seeded atheris run of every
-target (the long campaign's figures: results/fuzz.md)."""
+target (the long campaign's figures: results/2026-12-02-fuzz/fuzz.md)."""
 
 from __future__ import annotations
 
