@@ -86,7 +86,7 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         self.parser = RequestParser(self.config)
         # handler.delta_dir: every visible delta applied now, before the worker reports ready; then a watcher
         self.deltas = live.start_watcher(self, context, dense, devices)
-        atexit.register(self.close)  # TorchServe stops a worker by closing its socket: the worker's sys.exit(0)
+        atexit.register(self.close)  # the worker's own exit (its frontend's socket closed: sys.exit(0)); see close
         self.initialized = True
         self._say_loaded(devices, time.perf_counter() - started, frozen, dense)
 
@@ -152,11 +152,14 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
 
     def close(self) -> None:
         """Stop the live watcher (its thread, and its writer process where it runs one) and the split
-        pool's threads. Safe to call twice; runs at the worker's exit (atexit, registered by initialize).
+        pool's threads. Safe to call twice. Registered with atexit by initialize: it runs when the worker
+        exits on its own, as TorchServe's message loop does (sys.exit(0)) once its frontend's socket closes.
 
-        TorchServe 0.12 stops a worker (unregister, scale down) by closing its socket, on which the
-        worker exits (sys.exit(0): this runs), and at once kills the process (SIGKILL): when that comes
-        first, the threads end with the process and the writer process with its parent (PDEATHSIG)."""
+        TorchServe 0.12 itself stops a worker (scale down, unregister, ``torchserve --stop``) by closing
+        that socket and killing the process at once (Process.destroyForcibly: SIGKILL); measured, no
+        Python exit hook ran on any of the three. There the kernel releases the same: the threads end
+        with the process, the writer process with its parent (PR_SET_PDEATHSIG, dlrmkit/delta.py);
+        tests/test_variants_server.py checks that nothing is left."""
         atexit.unregister(self.close)
         deltas, self.deltas = self.deltas, None
         if deltas is not None:

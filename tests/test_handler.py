@@ -284,9 +284,10 @@ def test_close_stops_the_split_pool_the_live_watcher_and_its_writer_process(tmp_
 
 
 def test_close_runs_when_torchserve_closes_the_workers_socket(tmp_path, archived):
-    """TorchServe 0.12 stops a worker (unregister, scale down) by closing its socket, on which the
-    worker's message loop calls sys.exit(0) (ts.protocol.otf_message_handler), and then kills it.
-    That exit runs close(): here TorchServe's own loop reads a closed socket in a worker process."""
+    """A worker whose frontend's socket closes exits on its own: TorchServe's message loop calls
+    sys.exit(0) (ts.protocol.otf_message_handler), and that exit runs close(). Here that loop reads a
+    closed socket in a worker process. (When TorchServe stops a worker it also kills it at once, before
+    any exit hook runs: tests/test_variants_server.py checks that nothing is left then.)"""
     (tmp_path / "dlrm.pt").symlink_to(archived)
     code = f"""
 import socket, sys

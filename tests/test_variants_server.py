@@ -167,9 +167,9 @@ def test_rollout_and_rollback_of_a_variant(served, tmp_path):
 
 
 def test_unregistering_a_model_leaves_none_of_its_worker_processes(served):
-    """TorchServe 0.12 stops a worker by closing its socket (the worker's close() runs on the exit
-    that follows, tests/test_handler.py) and killing it: afterwards neither the worker nor any process
-    it started (a live-update writer, compile workers) is left. Last: the model is gone after it."""
+    """TorchServe 0.12 stops a worker by closing its socket and killing it at once (SIGKILL, before
+    the handler's close() can run): afterwards neither the worker nor any process it started (the
+    live watcher's writer) is left. Last in the module: the model is gone after it."""
     srv, _ = served
     name = "dlrm_dcn"
     pids = srv.worker_pids(name)
@@ -183,10 +183,14 @@ def test_unregistering_a_model_leaves_none_of_its_worker_processes(served):
 
 
 def _children(pid: int) -> list[int]:
-    try:
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
+    """The processes ``pid`` started, from any of its threads (each thread lists its own)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
 
 
 def _alive(pid: int) -> bool:
