@@ -294,10 +294,7 @@ def _body(row: dict, ctx, idx: int):
     for key in ("body", "data"):
         if row.get(key) is not None:
             return row[key]
-    try:
-        content_type = (_header(ctx, idx, CONTENT_TYPE) or "").lower()
-    except Exception:  # header lookups differ across TorchServe versions and fakes
-        content_type = ""
+    content_type = (_header(ctx, idx, CONTENT_TYPE) or "").lower()
     if row or content_type.startswith(("application/x-www-form-urlencoded", "multipart/form-data")):
         raise BadRequest(
             "body: expected JSON with Content-Type: application/json, got a form post "
