@@ -131,23 +131,36 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         self.split_parts = split_parts(self.threads, self.cpus) if self.device.type == "cpu" else 1
         if self.config.split_rows and self.split_parts > 1:
             # each pool thread on the worker's own thread count (OpenMP's count is per calling thread)
-            self.split_pool = ThreadPoolExecutor(self.split_parts - 1, "dlrm-split", torch.set_num_threads,
-                                                 (self.threads,))
+            self.split_pool = ThreadPoolExecutor(
+                self.split_parts - 1, "dlrm-split", torch.set_num_threads, (self.threads,)
+            )
         elif self.config.split_rows:
-            logger.warning("handler.split_rows %d: nothing to split onto (%s): every forward runs whole",
-                           self.config.split_rows, f"{self.cpus} CPU(s), {self.threads} torch thread(s) per part"
-                           if self.device.type == "cpu" else f"the model is on {self.device}")
+            logger.warning(
+                "handler.split_rows %d: nothing to split onto (%s): every forward runs whole",
+                self.config.split_rows,
+                f"{self.cpus} CPU(s), {self.threads} torch thread(s) per part"
+                if self.device.type == "cpu"
+                else f"the model is on {self.device}",
+            )
 
     def _say_loaded(self, devices: list[torch.device], seconds: float, frozen: list[str], dense: str) -> None:
         c = self.config
         logger.info(
             "DLRM loaded on %s in %.1f s: %d dense, %d sparse features, %d embedding rows (%s), output %s, "
             "%d torch threads%s, frozen: %s; dense half: %s",
-            ", ".join(map(str, devices)) + (" (tables sharded)" if len(devices) > 1 else ""), seconds,
-            c.num_dense_features, c.num_features, sum(c.num_embeddings), c.embedding_dtype, c.output, self.threads,
+            ", ".join(map(str, devices)) + (" (tables sharded)" if len(devices) > 1 else ""),
+            seconds,
+            c.num_dense_features,
+            c.num_features,
+            sum(c.num_embeddings),
+            c.embedding_dtype,
+            c.output,
+            self.threads,
             f"; a forward of more than {c.split_rows} rows split into up to {self.split_parts} parts at once"
-            if self.split_pool else "",
-            ", ".join(frozen) or "nothing", dense,
+            if self.split_pool
+            else "",
+            ", ".join(frozen) or "nothing",
+            dense,
         )
 
     def close(self) -> None:
@@ -181,8 +194,14 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         out = self.postprocess(work, context)
         live.tag_responses(context, len(data), sequence)
         t.append(time.perf_counter())
-        _record_metrics(context.metrics, len(data), work.forwards, work.errors, t,
-                        sum(getattr(work.requests[i], "clipped", 0) for i in work.scores))
+        _record_metrics(
+            context.metrics,
+            len(data),
+            work.forwards,
+            work.errors,
+            t,
+            sum(getattr(work.requests[i], "clipped", 0) for i in work.scores),
+        )
         return out
 
     def preprocess(self, data, context) -> RequestBatch:
@@ -203,8 +222,14 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
             except RequestError as e:
                 errors[i] = e
                 body = None
-            req = open_request(body, kserve_route, _header(context, i, BINARY_SPELLINGS), self.parser,
-                               self.model_id, _header(context, i, CONTENT_TYPE))
+            req = open_request(
+                body,
+                kserve_route,
+                _header(context, i, BINARY_SPELLINGS),
+                self.parser,
+                self.model_id,
+                _header(context, i, CONTENT_TYPE),
+            )
             requests.append(req)
             if i in errors:
                 continue
@@ -259,8 +284,13 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
                 err = data.errors[i]
                 ctx.set_response_status(err.status, err.phrase, i)
                 # Never log headers: they carry the client's token. The client's id is vetted ASCII.
-                logger.info("rejected request %s%s (%d): %s", _request_id(ctx, i),
-                            f" client {client_id}" if client_id else "", err.status, err.message)
+                logger.info(
+                    "rejected request %s%s (%d): %s",
+                    _request_id(ctx, i),
+                    f" client {client_id}" if client_id else "",
+                    err.status,
+                    err.message,
+                )
                 reply = req.error(err)
             ctx.set_response_content_type(i, reply.content_type)
             for name, value in reply.header_fields.items():
@@ -269,7 +299,9 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         return out
 
 
-def _record_metrics(metrics, n_requests: int, batches: list[tuple[Batch, list[int]]], errors: dict, t: list[float], clipped: int = 0) -> None:
+def _record_metrics(
+    metrics, n_requests: int, batches: list[tuple[Batch, list[int]]], errors: dict, t: list[float], clipped: int = 0
+) -> None:
     """One batch's counters; each is declared in metrics.yaml with exactly these dimensions
     (TorchServe appends ModelName and Level) or TorchServe drops it. Fresh Dimension lists:
     TorchServe's metrics API appends to the list it is given."""
