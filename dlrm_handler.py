@@ -84,8 +84,12 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         dense, frozen = self._load_model(weights, devices)
         self._start_split_pool()
         self.parser = RequestParser(self.config)
-        # handler.delta_dir: every visible delta applied now, before the worker reports ready; then a watcher
-        self.deltas = live.start_watcher(self, context, dense, devices)
+        try:
+            # handler.delta_dir: every visible delta applied now, before the worker reports ready; then a watcher
+            self.deltas = live.start_watcher(self, context, dense, devices)
+        except BaseException:
+            self.close()  # the pool's threads too: a worker that fails to load leaves nothing running
+            raise
         atexit.register(self.close)  # the worker's own exit (its frontend's socket closed: sys.exit(0)); see close
         self.initialized = True
         self._say_loaded(devices, time.perf_counter() - started, frozen, dense)
