@@ -53,7 +53,7 @@ COPY build/docker/plugins/ /opt/dlrm/plugins/
 COPY scripts/container_entrypoint.py /opt/dlrm/entrypoint.py
 COPY --from=build /opt/dlrm/model /opt/dlrm/model
 # OMP_WAIT_POLICY=PASSIVE: idle OpenMP threads sleep rather than spin on a core another worker or the
-# frontend needs (handler.large_batch_rows runs a large batch on every core; docs/performance.md).
+# frontend needs (a worker of handler.torch_threads > 1 runs OpenMP threads; docs/performance.md).
 # Only /tmp is writable under Kubernetes' readOnlyRootFilesystem (an emptyDir): TorchServe's
 # logs/ and snapshots, its pid file and the workers' sockets and model folders all go there.
 ENV PATH=/opt/venv/bin:$PATH HOME=/tmp TMPDIR=/tmp LOG_LOCATION=/tmp/logs METRICS_LOCATION=/tmp/logs \

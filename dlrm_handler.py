@@ -16,6 +16,7 @@ batch's forward pass. TorchServe imports this file and wants exactly one class i
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import logging
@@ -24,6 +25,7 @@ import re
 import time
 from abc import ABC
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 from ts.metrics.dimension import Dimension
@@ -31,14 +33,15 @@ from ts.torch_handler.base_handler import BaseHandler
 from ts.utils.util import PredictionException
 
 from dlrmkit.config import DLRMConfig
-from dlrmkit.batch import collate, scores
+from dlrmkit.batch import Batch, RequestBatch, collate, scores
 from dlrmkit.forms import RequestParser
-from dlrmkit.cpus import available_cpus, forward_threads, split_parts, torch_threads
+from dlrmkit.cpus import available_cpus, split_parts, torch_threads
 from dlrmkit import dense as dense_half
 from dlrmkit import delta as live
 from dlrmkit.errors import BadRequest, ConfigError, RequestError
 from dlrmkit.model import DLRMFactory
 from dlrmkit.protocols import BINARY_HEADER, open_request
+from dlrmkit.request import ParsedRequest
 from dlrmkit.scale import worker_devices
 
 logger = logging.getLogger(__name__)
@@ -65,107 +68,173 @@ CONTENT_TYPE = ("Content-Type", "content-type", "Content-type", "CONTENT-TYPE")
 
 
 class TorchRecDLRMHandler(BaseHandler, ABC):
-    """Scores DLRM requests; see docs/requests-and-errors.md for the request and response formats."""
+    """Scores DLRM requests; see docs/requests-and-errors.md for the request and response formats.
+
+    ``initialize`` loads the worker in named steps; ``close`` stops what it started beside the
+    serving thread (the split pool, the live watcher and its writer process) when the worker exits."""
 
     deltas = None  # with handler.delta_dir: the dlrmkit.delta.DeltaApplier following it
+    split_pool: ThreadPoolExecutor | None = None  # with handler.split_rows: the threads a large forward's parts run on
+    split_parts = 1  # the most parts one forward runs as
 
     def initialize(self, context):
-        props = context.system_properties
-        model_dir = props.get("model_dir") or "."
+        started = time.perf_counter()
+        self.config, weights = self._read_config(context)
+        devices = self._place(context)
+        dense, frozen = self._load_model(weights, devices)
+        self._start_split_pool()
+        self.parser = RequestParser(self.config)
+        try:
+            # handler.delta_dir: every visible delta applied now, before the worker reports ready; then a watcher
+            self.deltas = live.start_watcher(self, context, dense, devices)
+        except BaseException:
+            self.close()  # the pool's threads too: a worker that fails to load leaves nothing running
+            raise
+        atexit.register(self.close)  # the worker's own exit (its frontend's socket closed: sys.exit(0)); see close
+        self.initialized = True
+        self._say_loaded(devices, time.perf_counter() - started, frozen, dense)
+
+    def _read_config(self, context) -> tuple[DLRMConfig, str]:
+        """The validated ``handler:`` section and the archive's weights file."""
         self.manifest = context.manifest
-        self.config = DLRMConfig.from_dict((context.model_yaml_config or {}).get("handler"))
-        serialized = (self.manifest or {}).get("model", {}).get("serializedFile")
+        model = (self.manifest or {}).get("model", {})
+        self.model_id = (model.get("modelName", "dlrm"), str(model.get("modelVersion", "1.0")))
+        config = DLRMConfig.from_dict((context.model_yaml_config or {}).get("handler"))
+        serialized = model.get("serializedFile")
         if not serialized:
             raise ConfigError(
                 "the archive has no weights: build it with scripts/build_mar.py "
                 "(torch-model-archiver --serialized-file dlrm.pt)"
             )
-        # Several GPUs for one worker (parallelType: custom): the tables are sharded across
-        # them and the dense part and batches go to the first; otherwise one device.
+        return config, os.path.join(context.system_properties.get("model_dir") or ".", serialized)
+
+    def _place(self, context) -> list[torch.device]:
+        """The worker's devices and torch threads. Several GPUs for one worker (parallelType: custom):
+        the tables are sharded across them and the dense part and batches go to the first."""
         cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        devices = worker_devices(props.get("gpu_id"), context.model_yaml_config, cuda)
+        devices = worker_devices(context.system_properties.get("gpu_id"), context.model_yaml_config, cuda)
         self.device = devices[0]
         # maxWorkers when the config pins it, else the CPU rule's count (tsctl starts that many)
         workers = (context.model_yaml_config or {}).get("maxWorkers")
         torch.set_num_threads(torch_threads(self.config.torch_threads, workers))
         self.threads, self.cpus = torch.get_num_threads(), available_cpus()
-        if self.config.large_batch_rows and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
-            logger.warning("handler.large_batch_rows without OMP_WAIT_POLICY=PASSIVE in the worker's environment: "
-                           "OpenMP's threads spin on cores the other workers need (scripts/tsctl.py sets it)")
-        started = time.perf_counter()
+        return devices
+
+    def _load_model(self, weights: str, devices: list[torch.device]) -> tuple[str, list[str]]:
+        """The served model: the archive's weights, its dense half as configured (compiled and made at
+        every batch size it will see, dlrmkit/dense.py), the fp32 dense half frozen. Returns what the
+        dense half runs as and what was frozen."""
         factory = DLRMFactory(self.config)
-        self.model = factory.load(os.path.join(model_dir, serialized), devices)
-        self.model, dense = dense_half.prepare(self.model, self.config, model_dir, devices)
+        model_dir = os.path.dirname(weights)
+        self.model, dense = dense_half.prepare(factory.load(weights, devices), self.config, model_dir, devices)
         frozen = factory.freeze_dense(self.model) if len(devices) == 1 and dense.startswith("fp32") else []
-        if self.config.large_batch_rows and not dense.startswith("fp32"):
-            logger.warning("handler.large_batch_rows with a compiled dense half: measured worse than %d thread(s) "
-                           "per forward even with its kernels for more made at start (DLRMv2 int8 on AMX: p99 120 vs "
-                           "75 ms at 10 q/s, docs/performance.md)", self.threads)
-        # handler.split_rows: a large forward's parts run at once, on the pool's threads and this one
+        return dense, frozen
+
+    def _start_split_pool(self) -> None:
+        """handler.split_rows: a large forward's parts run at once, on the pool's threads and this one."""
         self.split_parts = split_parts(self.threads, self.cpus) if self.device.type == "cpu" else 1
-        self.split_pool = (
+        if self.config.split_rows and self.split_parts > 1:
             # each pool thread on the worker's own thread count (OpenMP's count is per calling thread)
-            ThreadPoolExecutor(self.split_parts - 1, "dlrm-split", torch.set_num_threads, (self.threads,))
-            if self.config.split_rows and self.split_parts > 1 else None
-        )
-        if self.config.split_rows and self.split_pool is None:
-            logger.warning("handler.split_rows %d: nothing to split onto (%s): every forward runs whole",
-                           self.config.split_rows, f"{self.cpus} CPU(s), {self.threads} torch thread(s) per part"
-                           if self.device.type == "cpu" else f"the model is on {self.device}")
-        self.parser = RequestParser(self.config)
-        model = (self.manifest or {}).get("model", {})
-        self.model_id = (model.get("modelName", "dlrm"), str(model.get("modelVersion", "1.0")))
-        # handler.delta_dir: every visible delta applied now, before the worker reports ready; then a watcher
-        self.deltas = live.start_watcher(self, context, dense, devices)
-        self.initialized = True
+            self.split_pool = ThreadPoolExecutor(
+                self.split_parts - 1, "dlrm-split", torch.set_num_threads, (self.threads,)
+            )
+        elif self.config.split_rows:
+            logger.warning(
+                "handler.split_rows %d: nothing to split onto (%s): every forward runs whole",
+                self.config.split_rows,
+                f"{self.cpus} CPU(s), {self.threads} torch thread(s) per part"
+                if self.device.type == "cpu"
+                else f"the model is on {self.device}",
+            )
+
+    def _say_loaded(self, devices: list[torch.device], seconds: float, frozen: list[str], dense: str) -> None:
+        c = self.config
         logger.info(
             "DLRM loaded on %s in %.1f s: %d dense, %d sparse features, %d embedding rows (%s), output %s, "
-            "%d torch threads%s%s, frozen: %s; dense half: %s",
+            "%d torch threads%s, frozen: %s; dense half: %s",
             ", ".join(map(str, devices)) + (" (tables sharded)" if len(devices) > 1 else ""),
-            time.perf_counter() - started, self.config.num_dense_features, self.config.num_features,
-            sum(self.config.num_embeddings), self.config.embedding_dtype, self.config.output, self.threads,
-            f" ({self.cpus} from {self.config.large_batch_rows} rows, OMP_WAIT_POLICY "
-            f"{os.environ.get('OMP_WAIT_POLICY', 'unset')})" if self.config.large_batch_rows else "",
-            f"; a forward of more than {self.config.split_rows} rows split into up to {self.split_parts} parts at once"
-            if self.split_pool else "",
-            ", ".join(frozen) or "nothing", dense,
+            seconds,
+            c.num_dense_features,
+            c.num_features,
+            sum(c.num_embeddings),
+            c.embedding_dtype,
+            c.output,
+            self.threads,
+            f"; a forward of more than {c.split_rows} rows split into up to {self.split_parts} parts at once"
+            if self.split_pool
+            else "",
+            ", ".join(frozen) or "nothing",
+            dense,
         )
+
+    def close(self) -> None:
+        """Stop the live watcher (its thread, and its writer process where it runs one) and the split
+        pool's threads. Safe to call twice. Registered with atexit by initialize: it runs when the worker
+        exits on its own, as TorchServe's message loop does (sys.exit(0)) once its frontend's socket closes.
+
+        TorchServe 0.12 itself stops a worker (scale down, unregister, ``torchserve --stop``) by closing
+        that socket and killing the process at once (Process.destroyForcibly: SIGKILL); measured, no
+        Python exit hook ran on any of the three. There the kernel releases the same: the threads end
+        with the process, the writer process with its parent (PR_SET_PDEATHSIG, dlrmkit/delta.py);
+        tests/test_variants_server.py checks that nothing is left."""
+        atexit.unregister(self.close)
+        deltas, self.deltas = self.deltas, None
+        if deltas is not None:
+            deltas.stop()
+        pool, self.split_pool = self.split_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        self.initialized = False
 
     def handle(self, data, context):
         """One TorchServe batch in, exactly one response per request out, in order."""
         t = [time.perf_counter()]
-        self.context = context
-        pre = self.preprocess(data)
+        work = self.preprocess(data, context)
         t.append(time.perf_counter())
         # The whole batch scored under one delta sequence: never between a delta's rows (dlrmkit/delta.py)
         with self.deltas.serving() if self.deltas else contextlib.nullcontext() as sequence:
-            scored = self.inference(pre)
+            work = self.inference(work)
         t.append(time.perf_counter())
-        out = self.postprocess(scored)
+        out = self.postprocess(work, context)
         live.tag_responses(context, len(data), sequence)
         t.append(time.perf_counter())
-        _record_metrics(context.metrics, len(data), pre[0], scored[1], t,
-                        sum(getattr(self.requests[i], "clipped", 0) for i in scored[0]))
+        _record_metrics(
+            context.metrics,
+            len(data),
+            work.forwards,
+            work.errors,
+            t,
+            sum(getattr(work.requests[i], "clipped", 0) for i in work.scores),
+        )
         return out
 
-    def preprocess(self, data):
-        """Requests -> (groups of (Batch, request indices), {request index: RequestError}, count).
+    def preprocess(self, data, context) -> RequestBatch:
+        """Requests -> their protocol objects, the good rows collated in groups, the bad requests' errors.
 
         Requests are collated in groups of at most MAX_ROWS_PER_FORWARD rows (a bigger request
         is a group of its own), so a batch of large ranking requests never becomes one forward
         pass of hundreds of thousands of rows."""
-        errors, groups, group, rows = {}, [], [], 0
-        self.requests = []  # per request: its protocol, which parses it and shapes its answer
+        errors: dict[int, RequestError] = {}
+        requests: list[Any] = []
+        groups: list[list[tuple[int, ParsedRequest]]] = []
+        group: list[tuple[int, ParsedRequest]] = []
+        rows = 0
         for i, row in enumerate(data):
-            kserve_route = _header(self.context, i, URL_PATH) is None and _header(self.context, i, HOST) is not None
+            kserve_route = _header(context, i, URL_PATH) is None and _header(context, i, HOST) is not None
             try:
-                body = _body(row, self.context, i)
+                body = _body(row, context, i)
             except RequestError as e:
                 errors[i] = e
                 body = None
-            req = open_request(body, kserve_route, _header(self.context, i, BINARY_SPELLINGS), self.parser,
-                               self.model_id, _header(self.context, i, CONTENT_TYPE))
-            self.requests.append(req)
+            req = open_request(
+                body,
+                kserve_route,
+                _header(context, i, BINARY_SPELLINGS),
+                self.parser,
+                self.model_id,
+                _header(context, i, CONTENT_TYPE),
+            )
+            requests.append(req)
             if i in errors:
                 continue
             try:
@@ -180,22 +249,17 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
             rows += parsed.n
         if group:
             groups.append(group)
-        batches = []
+        forwards = []
         for group in groups:
             batch, bad = collate([p for _, p in group], self.config, self.device)
             errors.update({group[j][0]: e for j, e in bad.items()})
             if batch is not None:
-                batches.append((batch, [i for j, (i, _) in enumerate(group) if j not in bad]))
-        return batches, errors, len(data)
+                forwards.append((batch, [i for j, (i, _) in enumerate(group) if j not in bad]))
+        return RequestBatch(requests, forwards, errors)
 
-    def inference(self, data, *args, **kwargs):
+    def inference(self, data: RequestBatch, *args, **kwargs) -> RequestBatch:
         """One forward pass per group of good rows, under inference_mode."""
-        batches, errors, n = data
-        results = {}
-        for batch, index in batches:
-            threads = forward_threads(batch.dense.shape[0], self.threads, self.config.large_batch_rows, self.cpus)
-            if threads != torch.get_num_threads():
-                torch.set_num_threads(threads)
+        for batch, index in data.forwards:
             try:
                 per_request = scores(self.model, batch, self.config, self.split_pool, self.split_parts)
             except Exception as e:  # the server's fault, not a request's: fail this batch only
@@ -207,28 +271,31 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
                     raise PredictionException(f"Out of memory scoring a batch of {rows} rows", 507) from None
                 logger.exception("forward pass failed for a batch of %d rows", rows)
                 raise PredictionException(f"Internal error scoring a batch: {type(e).__name__}", 500) from None
-            results.update(zip(index, per_request))
-        return results, errors, n
+            data.scores.update(zip(index, per_request))
+        return data
 
-    def postprocess(self, data):
+    def postprocess(self, data: RequestBatch, ctx) -> list:
         """One body per request, shaped by its protocol; a bad request gets its own status and
         an error body."""
-        results, errors, n = data
         out = []
-        ctx = self.context
-        for i in range(n):
+        for i, req in enumerate(data.requests):
             client_id = _client_request_id(ctx, i)
             if client_id:
                 ctx.set_response_header(i, CLIENT_ID_ECHO, client_id)
-            if i in results:
-                reply = self.requests[i].answer(results[i])
+            if i in data.scores:
+                reply = req.answer(data.scores[i])
             else:
-                err = errors[i]
+                err = data.errors[i]
                 ctx.set_response_status(err.status, err.phrase, i)
                 # Never log headers: they carry the client's token. The client's id is vetted ASCII.
-                logger.info("rejected request %s%s (%d): %s", _request_id(ctx, i),
-                            f" client {client_id}" if client_id else "", err.status, err.message)
-                reply = self.requests[i].error(err)
+                logger.info(
+                    "rejected request %s%s (%d): %s",
+                    _request_id(ctx, i),
+                    f" client {client_id}" if client_id else "",
+                    err.status,
+                    err.message,
+                )
+                reply = req.error(err)
             ctx.set_response_content_type(i, reply.content_type)
             for name, value in reply.header_fields.items():
                 ctx.set_response_header(i, name, value)
@@ -236,7 +303,9 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         return out
 
 
-def _record_metrics(metrics, n_requests: int, batches: list, errors: dict, t: list[float], clipped: int = 0) -> None:
+def _record_metrics(
+    metrics, n_requests: int, batches: list[tuple[Batch, list[int]]], errors: dict, t: list[float], clipped: int = 0
+) -> None:
     """One batch's counters; each is declared in metrics.yaml with exactly these dimensions
     (TorchServe appends ModelName and Level) or TorchServe drops it. Fresh Dimension lists:
     TorchServe's metrics API appends to the list it is given."""
@@ -261,10 +330,7 @@ def _body(row: dict, ctx, idx: int):
     for key in ("body", "data"):
         if row.get(key) is not None:
             return row[key]
-    try:
-        content_type = (_header(ctx, idx, CONTENT_TYPE) or "").lower()
-    except Exception:  # header lookups differ across TorchServe versions and fakes
-        content_type = ""
+    content_type = (_header(ctx, idx, CONTENT_TYPE) or "").lower()
     if row or content_type.startswith(("application/x-www-form-urlencoded", "multipart/form-data")):
         raise BadRequest(
             "body: expected JSON with Content-Type: application/json, got a form post "

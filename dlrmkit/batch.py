@@ -18,8 +18,8 @@ import bisect
 import functools
 import itertools
 from concurrent.futures import Executor, wait
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -38,6 +38,18 @@ class Batch:
     sparse: KeyedJaggedTensor  # keys in model order, key-major lengths [F * B], int64 values
     rows: list[int]  # rows per request, in order
     remapped_ids: int = 0  # ids folded by id_overflow: modulo
+
+
+
+@dataclass
+class RequestBatch:
+    """One TorchServe batch on its way through the handler's preprocess, inference and postprocess:
+    each step hands it to the next, so nothing of a batch is left on the handler."""
+
+    requests: list[Any]  # per request: its protocol object (dlrmkit.protocols), which parses it and shapes its answer
+    forwards: list[tuple[Batch, list[int]]]  # the good rows in groups, one forward each: (batch, its request indices)
+    errors: dict[int, RequestError]  # request index -> why it fails (its own status and body)
+    scores: dict[int, list[float]] = field(default_factory=dict)  # request index -> its scores, once scored
 
 
 def collate(

@@ -28,6 +28,10 @@ INTERACTIONS = {
     "projection": ("interaction_branch1_layer_sizes", "interaction_branch2_layer_sizes"),
 }
 INT64_MAX = 2**63 - 1
+# Keys the handler once took, and what to set instead: a config that still sets one is refused by name.
+REMOVED = {
+    "large_batch_rows": "use handler.split_rows (a large forward as parts at once, docs/model-config.md)",
+}
 
 
 @dataclass(frozen=True)
@@ -55,9 +59,6 @@ class DLRMConfig:
     max_instances_per_request: int = 4096
     max_ids_per_request: int = 65536
     torch_threads: int = 0  # intra-op threads per worker; 0 = the worker's share of the cores
-    # A forward of at least this many rows runs on a thread per CPU the process may use, smaller ones
-    # on torch_threads: a large query gets every core while the workers stay one per CPU. 0 = never.
-    large_batch_rows: int = 0
     # A forward of more than this many rows runs as parts of about this many rows, at once, on
     # threads of the worker (each part on torch_threads; at most one part per torch_threads CPUs
     # the process may use): the CPUs the worker alone would leave idle score its large query. 0 = never.
@@ -95,6 +96,9 @@ class DLRMConfig:
                 "model-config.yaml: expected a 'handler:' mapping with the DLRM layout "
                 "(e.g. handler: {num_dense_features: 5, sparse_features: [feature_0], ...})"
             )
+        removed = next((key for key in raw if key in REMOVED), None)
+        if removed is not None:
+            raise ConfigError(f"handler.{removed}: removed; {REMOVED[removed]}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -175,16 +179,10 @@ class DLRMConfig:
             if key in raw:
                 values[key] = _positive_int(raw[key], key, example)
         for key, expected, example in (("torch_threads", "0 (auto) or a positive integer", "0"),
-                                       ("large_batch_rows", "0 (never) or a positive number of rows", "256"),
                                        ("split_rows", "0 (never) or a positive number of rows", "350")):
             value = raw.get(key, 0)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"handler.{key}: expected {expected}, got {value!r} (e.g. {key}: {example})")
-        if raw.get("split_rows") and raw.get("large_batch_rows"):
-            raise ConfigError(
-                "handler.split_rows and handler.large_batch_rows: set one, not both (both would put more "
-                "threads than CPUs on one large query); split_rows measured better (docs/performance.md)"
-            )
         if "table_names" in raw:
             values["table_names"] = _table_names(raw["table_names"], names)
         values.update(_raw_input(raw, len(names)))

@@ -113,20 +113,3 @@ def split_parts(threads: int, cpus: int | None = None) -> int:
     (2, 1, 1)
     """
     return max(1, (cpus or available_cpus()) // max(1, threads))
-
-
-def forward_threads(rows: int, threads: int, large_batch_rows: int, cpus: int | None = None) -> int:
-    """Intra-op threads for one forward of ``rows`` rows: the worker's ``threads``, or a thread per
-    available CPU once ``rows`` reaches ``large_batch_rows`` (``handler.large_batch_rows``; 0 = never).
-
-    A 700-pair query on one single-threaded worker leaves the other cores idle while it runs; on
-    every core it finishes sooner. When two workers' large batches overlap the threads outnumber
-    the cores, so OpenMP must wait passively (``OMP_WAIT_POLICY=PASSIVE``, which scripts/tsctl.py
-    and the image set): a spinning thread holds a core the other worker needs.
-
-    >>> forward_threads(700, 1, 256, cpus=2), forward_threads(128, 1, 256, cpus=2)
-    (2, 1)
-    """
-    if large_batch_rows and rows >= large_batch_rows:
-        return max(threads, cpus or available_cpus())
-    return threads

@@ -36,7 +36,6 @@ import torch
 from torch import nn
 
 from dlrmkit.config import DENSE_PRECISIONS as PRECISIONS  # noqa: F401  (one list, validated there)
-from dlrmkit.cpus import available_cpus, forward_threads
 
 logger = logging.getLogger(__name__)
 
@@ -313,25 +312,13 @@ def _compile(model, config, precision, calibration, warm_rows) -> tuple[nn.Modul
     compiled: nn.Module = torch.compile(half, dynamic=True)  # type: ignore[assignment]  # an OptimizedModule
     served = ServedDLRM(model, compiled, precision)  # no .eval(): an exported graph refuses it; all is eval
     warm = warm_sizes() if warm_rows is None else warm_rows
-    # handler.large_batch_rows: the sizes that will run on more threads are made on those too
-    # (oneDNN makes its kernels per thread count: a size first run on 2 threads while serving cost
-    # DLRMv2 int8 a p99 3.4x at 10 q/s on AMX, results/server-scenario-levers-amx.md)
-    base, cpus = torch.get_num_threads(), available_cpus()
-    more = [(rows, t) for rows in warm if (t := forward_threads(rows, base, config.large_batch_rows, cpus)) != base]
     # under inference_mode, as dlrmkit.batch.scores serves it: the same dispatch keys, no recompile later
     with torch.inference_mode():
         for rows in warm:
             compiled(*_probe(model, config, rows))
-        try:
-            for rows, threads in more:
-                torch.set_num_threads(threads)
-                compiled(*_probe(model, config, rows))
-        finally:
-            torch.set_num_threads(base)
     what += (
         f", Inductor with freezing on {isa_summary()}, compiled and made at {len(warm)} batch sizes "
-        f"({warm[0]}-{warm[-1]} rows{f'; {len(more)} of them on {more[0][1]} threads too' if more else ''}) "
-        f"in {time.perf_counter() - started:.1f} s"
+        f"({warm[0]}-{warm[-1]} rows) in {time.perf_counter() - started:.1f} s"
     )
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if cache:

@@ -407,16 +407,21 @@ def open_request(body: Any, kserve_route: bool, json_length: str | None, parser:
             return CriteoLines(body, parser)
         return Predictions(body, parser)
     if json_length is not None:
-        try:
-            n = int(json_length)
-            if n < 0:
-                raise ValueError
-        except ValueError:
+        n = _byte_count(json_length)
+        if n < 0:
             return _Refused(body, parser, BadRequest(
                 f"{BINARY_HEADER}: expected the JSON header's length in bytes, got {json_length[:32]!r}"))
         return OIPv2(body, parser, n, model)
     is_v2 = body is not None and _has(body, "inputs")
     return OIPv2(body, parser, None, model) if is_v2 else KServeV1(body, parser)
+
+
+def _byte_count(text: str) -> int:
+    """A header's count of bytes as ``int`` reads it, or -1 when it is none."""
+    try:
+        return int(text)
+    except ValueError:
+        return -1
 
 
 def _has(body: Any, name: str) -> bool:

@@ -140,7 +140,7 @@ class Server:
         env["METRICS_LOCATION"] = str(self.log_dir)
         env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
         # The workers inherit it: an idle OpenMP thread sleeps instead of spinning on a core that the
-        # frontend or another worker needs (handler.large_batch_rows; docs/performance.md).
+        # frontend or another worker needs (a worker of handler.torch_threads > 1; docs/performance.md).
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         return env
 

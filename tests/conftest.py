@@ -135,7 +135,8 @@ def handler(tmp_path, archived):
     (tmp_path / "dlrm.pt").symlink_to(archived)
     h = TorchRecDLRMHandler()
     h.initialize(FakeContext(tmp_path, dict(TINY)))
-    return h
+    yield h
+    h.close()
 
 
 def call(handler, bodies, handler_section=None):

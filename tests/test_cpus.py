@@ -75,13 +75,3 @@ def test_torch_threads_share_the_cpus_among_the_workers():
     assert torch_threads(0, 1, cpus=2) == 2  # maxWorkers pinned to 1: the worker takes both
     assert torch_threads(0, 4, cpus=16) == 4
     assert torch_threads(0, 32, cpus=16) == 1
-
-
-def test_a_large_forward_gets_a_thread_per_cpu():
-    from dlrmkit.cpus import forward_threads
-
-    assert forward_threads(700, 1, 256, cpus=2) == 2
-    assert forward_threads(256, 1, 256, cpus=2) == 2  # from the bound on
-    assert forward_threads(255, 1, 256, cpus=2) == 1
-    assert forward_threads(700, 1, 0, cpus=2) == 1  # 0: never
-    assert forward_threads(700, 4, 256, cpus=2) == 4  # never fewer than the worker's own

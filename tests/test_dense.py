@@ -162,33 +162,6 @@ def test_served_batches_never_compile_the_half_again(monkeypatch):
             assert parts[0] == pytest.approx(whole[0], abs=1e-2)
 
 
-def test_sizes_that_large_batch_rows_runs_on_more_threads_are_made_on_them_at_start(monkeypatch):
-    """handler.large_batch_rows: oneDNN makes its kernels per thread count, so the sizes that will
-    run on a thread per CPU are run on those threads at start too; the worker's own count after."""
-    monkeypatch.setattr(dense, "available_cpus", lambda: 2)
-    config = tiny_config(**variant("dcn"), dense_precision="int8", large_batch_rows=8)
-    model = DLRMFactory(config).random().eval()
-    seen = []
-
-    def compile_spy(half, dynamic):  # eager, recording the threads of every warm-up forward
-        def counted(*args):
-            seen.append((args[0].shape[0], torch.get_num_threads()))
-            return half(*args)
-
-        return counted
-
-    monkeypatch.setattr(torch, "compile", compile_spy)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        _, what = dense._compile(model, config, "bf16", None, (2, 4, 8, 16))
-        assert torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(before)
-    assert "(2-16 rows; 2 of them on 2 threads too)" in what, what
-    assert seen == [(2, 1), (4, 1), (8, 1), (16, 1), (8, 2), (16, 2)], seen
-
-
 def test_a_worker_whose_torch_may_use_no_vector_instructions_serves_fp32_and_says_so():
     """ATEN_CPU_CAPABILITY caps ATen and Inductor (a real torch setting): at 'default' the compiled
     code could use no SIMD, so the dense half stays fp32 with the reason in the log line."""

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import threading
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import TINY, FakeContext, call
+from conftest import ROOT, TINY, FakeContext, call
 from dlrmkit.batch import collate, scores
+from dlrmkit.config import DLRMConfig
 from dlrmkit.forms import RequestParser
 from dlrmkit.errors import ConfigError
-from helpers import DENSE, body, instance
+from helpers import DENSE, body, instance, wait_until
 
 
 def test_handler_scores_equal_a_direct_model_call(handler, model, config):
@@ -179,45 +183,35 @@ def test_large_batches_are_scored_in_groups_with_the_same_scores(handler, monkey
     reqs.insert(3, body({"instances": [instance([1] * 5, feature_2=[j]) for j in range(7)]}))  # alone > cap
     whole, _ = call(handler, reqs)
     monkeypatch.setattr(dlrm_handler, "MAX_ROWS_PER_FORWARD", 5)
-    groups = handler.preprocess([{"body": r} for r in reqs])[0]
+    groups = handler.preprocess([{"body": r} for r in reqs], FakeContext(Path("."), dict(TINY))).forwards
     assert [sum(b.rows) for b, _ in groups] == [4, 2, 7, 4, 2]
     split, _ = call(handler, reqs)
     for a, b in zip(whole, split):
         assert torch.allclose(torch.tensor(json.loads(a)["scores"]), torch.tensor(json.loads(b)["scores"]), atol=1e-5)
 
 
-def test_a_large_batch_runs_on_a_thread_per_cpu_and_a_small_one_on_the_workers(tmp_path, weights, monkeypatch):
-    """handler.large_batch_rows: the forward of a batch of that many rows or more gets a thread per
-    CPU; the next small batch goes back to the worker's own threads; the scores are the same."""
+def test_large_batch_rows_is_refused_by_name_pointing_to_split_rows(tmp_path, weights):
+    """handler.large_batch_rows (a large forward on a thread per CPU) measured worse than split_rows on
+    every host and is gone: a config that still sets it fails at load, naming the key and what to set."""
     from dlrm_handler import TorchRecDLRMHandler
 
-    seen = []
-    monkeypatch.setattr(torch, "set_num_threads", seen.append)  # the handler's calls, not the process's threads
-    monkeypatch.setattr(torch, "get_num_threads", lambda: seen[-1] if seen else 1)
+    message = ("handler.large_batch_rows: removed; use handler.split_rows (a large forward as parts at once, "
+               "docs/model-config.md)")
+    for value in (256, 0):
+        with pytest.raises(ConfigError) as info:
+            DLRMConfig.from_dict({**TINY, "large_batch_rows": value})
+        assert str(info.value) == message
     (tmp_path / "dlrm.pt").symlink_to(weights)
-    h = TorchRecDLRMHandler()
-    h.initialize(FakeContext(tmp_path, {**TINY, "large_batch_rows": 4}))
-    h.cpus = 3  # as on a 3-CPU host, whatever this one has
-    big = body({"instances": [instance([k] * 5, feature_0=[k]) for k in range(5)]})
-    small = body({"instances": [instance([1] * 5, feature_1=[2])]})
-    seen.clear()
-    out_big, _ = call(h, [big], {**TINY, "large_batch_rows": 4})
-    assert seen == [3]
-    call(h, [small], {**TINY, "large_batch_rows": 4})
-    call(h, [small], {**TINY, "large_batch_rows": 4})
-    assert seen == [3, h.threads]  # back once, then left alone
-    plain = TorchRecDLRMHandler()
-    plain.initialize(FakeContext(tmp_path, dict(TINY)))
-    assert json.loads(call(plain, [big])[0][0])["scores"] == json.loads(out_big[0])["scores"]
-    with pytest.raises(ConfigError, match=r"handler.large_batch_rows: expected 0 \(never\) or a positive number"):
-        TorchRecDLRMHandler().initialize(FakeContext(tmp_path, {**TINY, "large_batch_rows": -1}))
+    with pytest.raises(ConfigError) as info:
+        TorchRecDLRMHandler().initialize(FakeContext(tmp_path, {**TINY, "split_rows": 350, "large_batch_rows": 4}))
+    assert str(info.value) == message
 
 
 def test_a_forward_of_more_than_split_rows_runs_as_parts_on_the_workers_threads(tmp_path, weights, monkeypatch,
                                                                                 caplog):
     """handler.split_rows: with CPUs for more than one part (3 here, one torch thread each), a batch
     of more rows than that runs as parts at once on the handler's pool; a smaller one whole; the
-    scores are the whole forward's. With one CPU, or split_rows set beside large_batch_rows, it says so."""
+    scores are the whole forward's. With one CPU it says so."""
     import logging
 
     import dlrm_handler
@@ -253,8 +247,72 @@ def test_a_forward_of_more_than_split_rows_runs_as_parts_on_the_workers_threads(
         one.initialize(FakeContext(tmp_path, section))
     assert one.split_pool is None
     assert "handler.split_rows 2: nothing to split onto (1 CPU(s), 1 torch thread(s) per part)" in caplog.text
-    with pytest.raises(ConfigError, match=r"handler.split_rows and handler.large_batch_rows: set one, not both"):
-        TorchRecDLRMHandler().initialize(FakeContext(tmp_path, {**section, "large_batch_rows": 4}))
     with pytest.raises(ConfigError, match=r"handler.split_rows: expected 0 \(never\) or a positive number of rows, "
                                           r"got -1 \(e.g. split_rows: 350\)"):
         TorchRecDLRMHandler().initialize(FakeContext(tmp_path, {**section, "split_rows": -1}))
+
+
+def lifecycle_section(tmp_path: Path) -> dict:
+    """A worker that starts everything close() stops: a split pool (3 CPUs, split_rows 2) and a live
+    watcher over an empty delta directory, whose shared tables run a writer process."""
+    (tmp_path / "deltas").mkdir(exist_ok=True)
+    return {**TINY, "split_rows": 2, "torch_threads": 1, "delta_dir": str(tmp_path / "deltas"), "delta_poll_s": 0.05}
+
+
+def test_close_stops_the_split_pool_the_live_watcher_and_its_writer_process(tmp_path, archived, monkeypatch):
+    import dlrm_handler
+    from dlrm_handler import TorchRecDLRMHandler
+
+    monkeypatch.setattr(dlrm_handler, "available_cpus", lambda: 3)
+    (tmp_path / "dlrm.pt").symlink_to(archived)
+    section = lifecycle_section(tmp_path)
+    before = set(threading.enumerate())
+    h = TorchRecDLRMHandler()
+    h.initialize(FakeContext(tmp_path, section))
+    big = body({"instances": [instance([k] * 5, feature_0=[k]) for k in range(7)]})
+    out, ctx = call(h, [big], section)  # parts on the pool: its threads start
+    assert ctx.statuses == {} and len(json.loads(out[0])["scores"]) == 7
+    writer = wait_until(lambda: h.deltas._child, lambda child: child is not None)
+    assert writer is not None and writer.poll() is None
+    helpers = [t for t in threading.enumerate() if t not in before]  # this handler's (the pool's start when used)
+    assert {t.name.split("_")[0] for t in helpers} == {"dlrm-delta-watcher", "dlrm-split"}, helpers
+    h.close()
+    assert [t.name for t in helpers if t.is_alive()] == []
+    assert writer.poll() is not None  # killed and reaped
+    assert h.deltas is None and h.split_pool is None and not h.initialized
+    h.close()  # twice: nothing left to stop
+
+
+def test_close_runs_when_torchserve_closes_the_workers_socket(tmp_path, archived):
+    """A worker whose frontend's socket closes exits on its own: TorchServe's message loop calls
+    sys.exit(0) (ts.protocol.otf_message_handler), and that exit runs close(). Here that loop reads a
+    closed socket in a worker process. (When TorchServe stops a worker it also kills it at once, before
+    any exit hook runs: tests/test_variants_server.py checks that nothing is left then.)"""
+    (tmp_path / "dlrm.pt").symlink_to(archived)
+    code = f"""
+import socket, sys
+from pathlib import Path
+sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests")!r}]
+import dlrm_handler
+from conftest import FakeContext
+from helpers import wait_until
+from ts.protocol.otf_message_handler import retrieve_msg
+
+close = dlrm_handler.TorchRecDLRMHandler.close
+def said(self):
+    watcher, writer, pool = self.deltas._thread, self.deltas._child, self.split_pool
+    close(self)
+    print("closed:", watcher.is_alive(), writer.poll() is not None, pool._shutdown, flush=True)
+dlrm_handler.TorchRecDLRMHandler.close = said
+dlrm_handler.available_cpus = lambda: 3
+h = dlrm_handler.TorchRecDLRMHandler()
+h.initialize(FakeContext(Path({str(tmp_path)!r}), {lifecycle_section(tmp_path)!r}))
+wait_until(lambda: h.deltas._child, lambda child: child is not None)
+print("serving", h.deltas._child.pid, flush=True)
+frontend, worker = socket.socketpair()
+frontend.close()
+retrieve_msg(worker)
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "serving" in run.stdout and run.stdout.rstrip().endswith("closed: False True True"), run.stdout

@@ -1,6 +1,7 @@
 """Integration: a DLRM_DCN (fp32) and a DLRM_Projection (int8) in one real TorchServe, batching
-on: concurrent mixed requests to both get the in-process scores, a bad one its own 400; the DCN's
-large batches on a thread per CPU (large_batch_rows), the projection's as parts at once (split_rows)."""
+on: concurrent mixed requests to both get the in-process scores, a bad one its own 400; the
+projection's large batches as parts at once (split_rows), the DCN's whole; unregistering the DCN
+(which follows a delta directory) leaves none of its worker processes nor their writer behind."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from dlrmkit.config import DLRMConfig
 from dlrmkit.batch import collate, scores
 from dlrmkit.forms import RequestParser
 from dlrmkit.model import DLRMFactory
-from helpers import instance, metrics_delta, settled
-from scripts.tsctl import Server, post
+from helpers import instance, metrics_delta, settled, wait_until
+from scripts.tsctl import Server, post, request
 
 pytestmark = pytest.mark.integration
 
@@ -35,10 +36,11 @@ def build(tmp: Path, name: str, interaction: str, dtype: str) -> Path:
     doc = yaml.safe_load((ROOT / "model-config.yaml").read_text())
     doc.update(batchSize=8, maxBatchDelay=100)
     doc["handler"].update(variant(interaction, doc["handler"]["embedding_dim"]), embedding_dtype=dtype)
-    if interaction == "dcn":  # batches of 3 rows or more on a thread per CPU: both paths in one worker
-        doc["handler"]["large_batch_rows"] = 3
-    else:  # batches of more than 3 rows as parts at once on the worker's threads: both paths in one worker
+    if interaction != "dcn":  # batches of more than 3 rows as parts at once on the worker's threads: both paths
         doc["handler"]["split_rows"] = 3
+    else:  # following an (empty) delta directory: a watcher thread, and the shared tables' writer process
+        (tmp / "deltas").mkdir(exist_ok=True)
+        doc["handler"]["delta_dir"] = str(tmp / "deltas")
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(doc))
     build_mar.main(["--config", str(path), "--output-dir", str(tmp / "store"), "--model-name", name])
@@ -122,16 +124,6 @@ def test_concurrent_mixed_requests_to_both_variants_score_as_in_process(served):
         assert max(abs(a - b) for a, b in zip(answer["scores"], want)) <= 1e-5, (name, answer, want)
 
 
-def test_large_batches_run_on_every_cpu_with_openmp_waiting_passively(served):
-    """The workers inherit tsctl's OMP_WAIT_POLICY=PASSIVE (TorchServe passes its environment on),
-    and say so; test_concurrent_mixed_requests_... checks the scores of both thread counts."""
-    from dlrmkit.cpus import available_cpus
-
-    srv, _ = served
-    log = (srv.log_dir / "model_log.log").read_text()
-    assert f"({available_cpus()} from 3 rows, OMP_WAIT_POLICY PASSIVE)" in log, log[-3000:]
-
-
 def test_large_batches_run_as_parts_at_once_where_cpus_allow(served):
     """handler.split_rows: each worker says how many parts a batch of more than 3 rows runs as (one
     per CPU of its own, TorchServe's workers one thread each), or that one CPU leaves nothing to
@@ -172,3 +164,38 @@ def test_rollout_and_rollback_of_a_variant(served, tmp_path):
     served_as(load_archive(config, srv.model_store / f"{name}-v2.0.mar", tmp_path))
     assert rollout.main([*common, "--rollback"]) == 0
     served_as(model)
+
+
+def test_unregistering_a_model_leaves_none_of_its_worker_processes(served):
+    """TorchServe 0.12 stops a worker by closing its socket and killing it at once (SIGKILL, before
+    the handler's close() can run): afterwards neither the worker nor any process it started (the
+    live watcher's writer) is left. Last in the module: the model is gone after it."""
+    srv, _ = served
+    name = "dlrm_dcn"
+    pids = srv.worker_pids(name)
+    assert pids
+    children = wait_until(lambda: {pid: _children(pid) for pid in pids}, lambda c: any(c.values()))
+    assert any(children.values()), children  # the live watcher's writer process
+    status, body, _ = request("DELETE", f"{srv.management_url}/models/{name}", headers=srv.auth("management"))
+    assert status == 200, body
+    left = wait_until(lambda: [p for p in pids + sum(children.values(), []) if _alive(p)], lambda alive: not alive)
+    assert left == [], (left, children)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes ``pid`` started, from any of its threads (each thread lists its own)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie waiting for its parent to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
