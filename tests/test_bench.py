@@ -447,16 +447,3 @@ def test_server_scenario_under_loadgen_against_a_real_torchserve(tmp_path):
     assert server_scenario.main(["--from-json", str(tmp_path / "scenario.json"), "--out", str(again)]) == 0
     assert again.with_suffix(".md").read_text() == md and again.with_suffix(".png").stat().st_size > 0
 
-
-def test_delta_load_windows_pair_with_and_without_in_a_seeded_order():
-    """bench/deltas.py: after the warm-up, every pair of 5-s windows has one with deltas and one
-    without, the order drawn per run (a periodic event of the host must not fall in one phase)."""
-    from bench import deltas
-
-    phases = deltas.window_phases(120, seed=1)
-    assert len(phases) == 24 and phases[:2] == [None, None]
-    pairs = [phases[i : i + 2] for i in range(2, 24, 2)]
-    assert all(sorted(p) == [0, 1] for p in pairs), pairs
-    assert len({tuple(p) for p in pairs}) == 2  # both orders occur
-    assert deltas.window_phases(120, seed=2) != phases and deltas.window_phases(120, seed=1) == phases
-    assert deltas.window_phases(33, seed=1)[-1] is not None and len(deltas.window_phases(33, seed=1)) == 6
