@@ -22,7 +22,7 @@ bench/server_scenario.py after it, MLPerf's Server scenario under LoadGen):
   5. both sides of every served target back to back, in turns: the DLRM and echo points, the
      served model's raw forward in this process, the host's raw forward on every CPU
      (common.HostForward) and the model pinned to the previous 1 worker x 1 thread.
-Writes results/benchmark.json, results/benchmark.md and results/benchmark.png, and computes the
+Writes benchmark.json, .md, .png and run.json to results/<date>-benchmark/ (--out DIR), and computes the
 targets from this run's own figures (ratios within one run; the served ones from part 5), with
 the CPU ceiling of the ranking ratios beside them (cpu_ceiling).
 """
@@ -40,11 +40,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import (  # noqa: F401  (the request kinds, for the scripts that reuse bench_served)
+from bench.common import (
     COLUMNS, COLUMNS_ALL, CRITEO_TSV, HERE, RANKING, RANKING_ROWS, ROOT, V2_BINARY, HostForward, build_archive, serving,
     cpu_seconds, form_of, frontend_pid, jit_cpu_seconds, jit_cpu_since, load_served, log, machine, make_body, make_kind,
-    measure_load, metric_value, raw_caller, request_loop, rows_of, timed_calls, unpack, v2_bodies, write_report,
+    measure_load, metric_value, raw_caller, request_loop, rows_of, run_dir, timed_calls, unpack, v2_bodies, write_report,
 )
+from bench.fakes import FakeContext
 from bench.load import percentile, run_load
 from scripts.tsctl import Server, post
 
@@ -52,7 +53,6 @@ BATCHES = (1, 32, 128, 512)
 CONCURRENCY = (1, 16, 64)
 QUANTIZED = ("fp16", "int8")  # served at the headline points beside fp32
 SHIPPED_BEFORE = "dlrm_1x1"  # the same model pinned to the previous default, 1 worker x 1 thread
-
 
 
 def v2_header_length(body: bytes) -> int:
@@ -121,45 +121,6 @@ def bench_raw(model, cfg, seconds: float, unfused=None, eager=None) -> list[dict
 
 # --- 2. handler in-process -----------------------------------------------------------------------
 
-class _Metrics:
-    """Keeps the handler's own timing of its last forward phase (dlrm_inference_ms_total)."""
-
-    inference_ms = 0.0
-
-    def add_metric(self, name, value, *a, **k):
-        if name == "dlrm_inference_ms_total":
-            self.inference_ms = value
-
-    def add_time(self, *a, **k):
-        pass
-
-    add_counter = add_time
-
-
-class _Context:
-    """What the handler uses of TorchServe's Context; enough to run handle() in-process."""
-
-    def __init__(self, model_dir, handler_section, headers=None):
-        self.headers = headers or {}
-        self.system_properties = {"model_dir": str(model_dir), "gpu_id": None, "batch_size": 32}
-        self.manifest = {"model": {"modelName": "dlrm", "serializedFile": "dlrm.pt"}}
-        self.model_yaml_config = {"handler": handler_section}
-        self.metrics = _Metrics()
-        self.request_ids = {}
-
-    def set_response_status(self, code, phrase, idx=0):
-        raise AssertionError(f"benchmark request {idx} was refused: {code}")
-
-    def set_response_content_type(self, idx, value):
-        pass
-
-    def set_response_header(self, idx, key, value):
-        pass
-
-    def get_request_header(self, idx, key):
-        return self.headers.get(key)
-
-
 def bench_handler(handler, cfg, seconds: float) -> list[dict]:
     """Whole handle() per batch, plus the same core stages timed one by one."""
     from dlrmkit.batch import collate, scores
@@ -176,20 +137,21 @@ def bench_handler(handler, cfg, seconds: float) -> list[dict]:
         rows = rows_of(kind)
         bodies = [make_kind(kind, cfg, rng) for _ in range(n_req)]
         data = [{"body": b} for b in bodies]
-        ctx = _Context(".", None)
+        ctx, headers = FakeContext(".", None), {}
         if kind == V2_BINARY:  # as on KServe's v2 route: a Host header, no url_path
             length = str(v2_header_length(bodies[0]))
-            ctx = _Context(".", None, {"Host": "127.0.0.1", BINARY_HEADER: length})
+            headers, ctx.kserve = {"Host": "127.0.0.1", BINARY_HEADER: length}, set(range(n_req))
 
             def parse(b, length=length):
                 return open_request(b, True, length, handler.parser, ("dlrm", "1.0")).parse()
         elif kind == CRITEO_TSV:  # Content-Type: text/tab-separated-values on /predictions
-            ctx = _Context(".", None, {"Content-Type": TSV})
+            headers = {"Content-Type": TSV}
 
             def parse(b):
                 return open_request(b, False, None, handler.parser, ("dlrm", "1.0"), TSV).parse()
         else:
             parse = handler.parser.parse
+        ctx.headers = {i: headers for i in range(n_req)}
         # Overhead from the same calls: handle()'s wall time less the forward phase that the
         # handler itself timed in that call (no noise from pairing separate samples).
         paired = []
@@ -198,7 +160,10 @@ def bench_handler(handler, cfg, seconds: float) -> list[dict]:
             t0 = time.perf_counter()
             handler.handle(data, ctx)
             wall = time.perf_counter() - t0
-            paired.append((wall, ctx.metrics.inference_ms / 1e3))
+            if ctx.statuses:
+                raise AssertionError(f"benchmark requests were refused: {ctx.statuses}")
+            inference_ms = next(v for n, v, _ in reversed(ctx.metrics.recorded) if n == "dlrm_inference_ms_total")
+            paired.append((wall, inference_ms / 1e3))
 
         timed_calls(handle_once, seconds / 2, 400)
         paired = paired[3:]  # timed_calls' warm-up calls
@@ -282,12 +247,9 @@ def warm_up_server(srv: Server, models: list[str], bodies: dict, seconds: float)
             asyncio.run(run_load(f"{srv.url}/predictions/{m}", next_request, 16, share, 2_000_000))
 
 
-def bench_served(srv: Server, model: str, bodies: dict, duration: float, profile_to: Path | None = None,
-                 points: list | None = None) -> list[dict]:
+def bench_served(srv: Server, model: str, bodies: dict, duration: float, points: list | None = None) -> list[dict]:
     """Each (request kind, concurrency) point, by default every kind in ``bodies`` (1 and
-    RANKING_ROWS: instances; RANKING, COLUMNS: those forms) at every concurrency; with
-    ``profile_to``, py-spy samples a worker during the single-row c=1 and c=64 points and the
-    ranking-form c=16 one."""
+    RANKING_ROWS: instances; RANKING, COLUMNS: those forms) at every concurrency."""
     out = []
     for kind, c in points or [(k, c) for k in bodies for c in CONCURRENCY]:
         pool = bodies[kind]
@@ -296,11 +258,6 @@ def bench_served(srv: Server, model: str, bodies: dict, duration: float, profile
         next_request, errors = request_loop(pool)
         asyncio.run(run_load(url, next_request, c, min(2.0, duration), 100_000))  # a warm-up, then the measured run
         errors[0] = 0
-        spy = None
-        raw_profile = None
-        if profile_to and ((rows == 1 and c in (CONCURRENCY[0], CONCURRENCY[-1])) or (kind == RANKING and c == 16)):
-            raw_profile = profile_to.with_name(f"{profile_to.stem}-{'' if rows == 1 else 'ranking-'}c{c}.raw")
-            spy = start_profile(srv.worker_pids(model)[0], duration, raw_profile)
         procs = {"frontend": [frontend_pid(srv)], "worker": srv.worker_pids(model)}
         batches0 = (metric_value(srv, model, "dlrm_batches_total"), metric_value(srv, model, "dlrm_requests_total"))
         cpu0 = {k: cpu_seconds(v) for k, v in procs.items()}
@@ -310,9 +267,6 @@ def bench_served(srv: Server, model: str, bodies: dict, duration: float, profile
         jit_s = jit_cpu_since(procs["frontend"][0], jit0)
         batches = metric_value(srv, model, "dlrm_batches_total") - batches0[0]
         per_batch = (metric_value(srv, model, "dlrm_requests_total") - batches0[1]) / batches if batches else None
-        if spy:
-            spy.wait(timeout=60)
-            summarise_profile(raw_profile)
         errs = errors[0] + res.transport_errors
         row = {
             "model": model, "rows_per_request": rows, "form": form_of(kind),
@@ -409,34 +363,6 @@ def bench_v2(srv: Server, cfg, rng, duration: float, concurrency: int = 16) -> l
         log(f"v2 {encoding} {RANKING_ROWS}-row requests ({row['request_bytes']:,} B), c={concurrency}: "
             f"{row['rows_per_s']:,} rows/s, p50 {row['p50_ms']} ms, errors {row['errors']}")
     return out
-
-
-def start_profile(pid: int, seconds: float, raw: Path):
-    exe = Path(sys.executable).parent / "py-spy"
-    if not exe.exists():
-        log("py-spy is not installed: no worker profile (pip install -e '.[bench]')")
-        return None
-    return subprocess.Popen([str(exe), "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "200",
-                             "-f", "raw", "-o", str(raw), "--nonblocking"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def summarise_profile(raw: Path, top: int = 30) -> None:
-    """py-spy's folded stacks -> the share of samples under each frame (inclusive)."""
-    if not raw.exists():
-        return
-    total, inclusive = 0, {}
-    for line in raw.read_text().splitlines():
-        stack, _, n = line.rpartition(" ")
-        if not stack:
-            continue
-        total += int(n)
-        for frame in set(stack.split(";")):
-            inclusive[frame] = inclusive.get(frame, 0) + int(n)
-    lines = [f"# share of worker samples under each frame (py-spy, {total} samples)"]
-    lines += [f"{n / total:6.1%}  {f}" for f, n in sorted(inclusive.items(), key=lambda kv: -kv[1])[:top]]
-    raw.with_suffix(".txt").write_text("\n".join(lines) + "\n")
-    raw.unlink()
 
 
 # --- report --------------------------------------------------------------------------------------
@@ -612,7 +538,7 @@ def main() -> int:
                     help="turns in which both sides of every served target are measured back to back (default: %(default)s)")
     ap.add_argument("--turn-seconds", type=float, default=4.0,
                     help="seconds per served point in a turn, after a 2 s warm-up (default: %(default)s)")
-    ap.add_argument("--out", default=str(ROOT / "results"), help="output folder (default: %(default)s)")
+    ap.add_argument("--out", help="output folder (default: results/<date>-benchmark/)")
     args = ap.parse_args()
 
     import torch
@@ -622,8 +548,6 @@ def main() -> int:
     from dlrmkit.model import DLRMFactory
     from dlrm_handler import TorchRecDLRMHandler
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     cfg_path = Path(args.config).resolve()
     cfg = DLRMConfig.from_yaml(cfg_path)
     ts_doc = yaml.safe_load(cfg_path.read_text())
@@ -637,7 +561,7 @@ def main() -> int:
         log("in-process: loading the model as the handler does")
         unpack(store / "dlrm.mar", tmp / "model")
         handler = TorchRecDLRMHandler()
-        handler.initialize(_Context(tmp / "model", ts_doc["handler"]))
+        handler.initialize(FakeContext(tmp / "model", ts_doc["handler"]))
         unfused = DLRMFactory(cfg).random()  # the archive's weights: build_mar.py draws them from the seed
         eager = load_served(cfg, tmp / "model", freeze=False)[0]  # as served, dense parts not frozen
         raw = bench_raw(handler.model, cfg, args.raw_seconds, unfused, eager)
@@ -661,7 +585,7 @@ def main() -> int:
                     status, _, _ = post(f"{srv.url}/predictions/dlrm", bodies[kind][0])
                     assert status == 200, status
                 warm_up_server(srv, models, bodies, args.server_warm_up)
-                served = bench_served(srv, "dlrm", bodies, args.duration, out / "profile-worker")
+                served = bench_served(srv, "dlrm", bodies, args.duration)
                 for dtype in QUANTIZED:
                     served += bench_served(srv, f"dlrm_{dtype}", bodies, args.duration, points=[(1, 64), (RANKING, 16)])
                 served += bench_served(srv, "echo", {k: bodies[k] for k in (1, RANKING_ROWS)}, args.duration)
@@ -673,7 +597,6 @@ def main() -> int:
             host.close()
 
     report = {
-        "command": "python bench/benchmark.py " + " ".join(sys.argv[1:]),
         "config": cfg_path.name,
         "machine": {**(mach := machine()), "processor": f"{mach['cpu']}, ISA {mach['isa']}", "torch": torch.__version__,
                     "torch_threads": threads},
@@ -683,6 +606,7 @@ def main() -> int:
         "wall_s": round(time.perf_counter() - started),
     }
     report["targets"] = targets(raw, handler_rows, turns, served, len(host.cpus))
+    out = run_dir(__file__, "benchmark", "The serving path against the model's own speed and TorchServe's ceiling", args.out)
     write_report(out / "benchmark", report, markdown(report).splitlines(), plot)
     return 0
 

@@ -124,7 +124,7 @@ async def run_load(
     result = LoadResult()
     started = time.perf_counter()
     deadline = started + duration_s
-    cpu0 = _cpu()
+    cpu0 = self_cpu()
     counter = iter(range(max_requests))
 
     async def client():
@@ -169,10 +169,11 @@ async def run_load(
     await asyncio.gather(*(client() for _ in range(concurrency)))
     rep.cancel()
     result.wall_s = time.perf_counter() - started
-    result.client_cpu_s = _cpu() - cpu0
+    result.client_cpu_s = self_cpu() - cpu0
     return result
 
 
-def _cpu() -> float:
+def self_cpu() -> float:
+    """User + system CPU seconds of this process: the load generator's share of the cores."""
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
