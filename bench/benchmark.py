@@ -123,87 +123,84 @@ def bench_raw(model, cfg, seconds: float, unfused=None, eager=None) -> list[dict
 
 def bench_handler(handler, cfg, seconds: float) -> list[dict]:
     """Whole handle() per batch, plus the same core stages timed one by one."""
-    from dlrmkit.batch import collate, scores
-    from dlrmkit.forms import response_body
-    from dlrmkit.criteo import CONTENT_TYPE as TSV
-    from dlrmkit.protocols import BINARY_HEADER, open_request
-
-    out = []
     rng = random.Random(2)
     # 10 x 128 rows: as TorchServe batches ranking requests at c=16 (~10 per batch, section 3)
     raw = ((1, CRITEO_TSV),) if cfg.raw_input == "criteo_tsv" else ()
-    for n_req, kind in ((1, 1), (1, RANKING_ROWS), (1, RANKING), (1, COLUMNS), (1, COLUMNS_ALL), *raw, (1, V2_BINARY),
-                        (32, 1), (32, RANKING_ROWS), (10, RANKING), (10, COLUMNS)):
-        rows = rows_of(kind)
-        bodies = [make_kind(kind, cfg, rng) for _ in range(n_req)]
-        data = [{"body": b} for b in bodies]
-        ctx, headers = FakeContext(".", None), {}
-        if kind == V2_BINARY:  # as on KServe's v2 route: a Host header, no url_path
-            length = str(v2_header_length(bodies[0]))
-            headers, ctx.kserve = {"Host": "127.0.0.1", BINARY_HEADER: length}, set(range(n_req))
+    points = ((1, 1), (1, RANKING_ROWS), (1, RANKING), (1, COLUMNS), (1, COLUMNS_ALL), *raw, (1, V2_BINARY),
+              (32, 1), (32, RANKING_ROWS), (10, RANKING), (10, COLUMNS))
+    return [handler_point(handler, cfg, n_req, kind, [make_kind(kind, cfg, rng) for _ in range(n_req)], seconds)
+            for n_req, kind in points]
 
-            def parse(b, length=length):
-                return open_request(b, True, length, handler.parser, ("dlrm", "1.0")).parse()
-        elif kind == CRITEO_TSV:  # Content-Type: text/tab-separated-values on /predictions
-            headers = {"Content-Type": TSV}
 
-            def parse(b):
-                return open_request(b, False, None, handler.parser, ("dlrm", "1.0"), TSV).parse()
-        else:
-            parse = handler.parser.parse
-        ctx.headers = {i: headers for i in range(n_req)}
-        # Overhead from the same calls: handle()'s wall time less the forward phase that the
-        # handler itself timed in that call (no noise from pairing separate samples).
-        paired = []
+def handler_point(handler, cfg, n_req: int, kind, bodies: list, seconds: float) -> dict:
+    """One batch of ``n_req`` requests of ``kind`` through handle() (a fake context), then its
+    stages one by one: parse, collate, forward, respond."""
+    from dlrmkit.batch import collate, scores
+    from dlrmkit.criteo import CONTENT_TYPE as TSV
+    from dlrmkit.forms import response_body
+    from dlrmkit.protocols import BINARY_HEADER, open_request
 
-        def handle_once():
-            t0 = time.perf_counter()
-            handler.handle(data, ctx)
-            wall = time.perf_counter() - t0
-            if ctx.statuses:
-                raise AssertionError(f"benchmark requests were refused: {ctx.statuses}")
-            inference_ms = next(v for n, v, _ in reversed(ctx.metrics.recorded) if n == "dlrm_inference_ms_total")
-            paired.append((wall, inference_ms / 1e3))
+    data, ctx, headers, parse = [{"body": b} for b in bodies], FakeContext(".", None), {}, handler.parser.parse
+    if kind == V2_BINARY:  # as on KServe's v2 route: a Host header, no url_path
+        length = str(v2_header_length(bodies[0]))
+        headers, ctx.kserve = {"Host": "127.0.0.1", BINARY_HEADER: length}, set(range(n_req))
 
-        timed_calls(handle_once, seconds / 2, 400)
-        paired = paired[3:]  # timed_calls' warm-up calls
-        stage = {"parse": [], "collate": [], "forward": [], "respond": []}
-        prep_share = []  # (parse + collate) / forward of each call
+        def parse(b):
+            return open_request(b, True, length, handler.parser, ("dlrm", "1.0")).parse()
+    elif kind == CRITEO_TSV:  # Content-Type: text/tab-separated-values on /predictions
+        headers = {"Content-Type": TSV}
 
-        def staged_record():
-            t0 = time.perf_counter()
-            parsed = [parse(b) for b in bodies]
-            t1 = time.perf_counter()
-            batch, _ = collate(parsed, cfg, handler.device)
-            t2 = time.perf_counter()
-            s = scores(handler.model, batch, cfg)
-            t3 = time.perf_counter()
-            [response_body(x) for x in s]
-            t4 = time.perf_counter()
-            stage["parse"].append(t1 - t0)
-            stage["collate"].append(t2 - t1)
-            stage["forward"].append(t3 - t2)
-            stage["respond"].append(t4 - t3)
-            prep_share.append((t2 - t0) / (t3 - t2))
+        def parse(b):
+            return open_request(b, False, None, handler.parser, ("dlrm", "1.0"), TSV).parse()
+    ctx.headers = {i: headers for i in range(n_req)}
+    # Overhead from the same calls: handle()'s wall time less the forward phase that the
+    # handler itself timed in that call (no noise from pairing separate samples).
+    paired = []
 
-        timed_calls(staged_record, seconds / 2, 400)
-        med = {k: statistics.median(v) * 1e6 for k, v in stage.items()}
-        total = statistics.median(w for w, _ in paired) * 1e6
-        share = statistics.median((w - f) / f for w, f in paired)
-        n_rows = n_req * rows
-        row = {
-            "requests": n_req, "rows_per_request": rows, "form": form_of(kind),
-            "body_bytes": round(statistics.mean(map(len, bodies))),
-            **{f"{k}_us_per_request": round(v / n_req, 1) for k, v in med.items()},
-            **{f"{k}_us_per_row": round(v / n_rows, 2) for k, v in med.items()},
-            "handle_us": round(total), "forward_us": round(med["forward"]),
-            "overhead_share_of_forward": round(share, 3),
-            "parse_collate_share_of_forward": round(statistics.median(prep_share), 3),
-        }
-        out.append(row)
-        log(f"handler {n_req} x {rows} rows ({row['form']}, {row['body_bytes']:,} B): handle {total:,.0f} us, forward {med['forward']:,.0f} us, "
-            f"parse {med['parse']:,.0f}, collate {med['collate']:,.0f}, respond {med['respond']:,.0f} us")
-    return out
+    def handle_once():
+        t0 = time.perf_counter()
+        handler.handle(data, ctx)
+        wall = time.perf_counter() - t0
+        if ctx.statuses:
+            raise AssertionError(f"benchmark requests were refused: {ctx.statuses}")
+        inference_ms = next(v for n, v, _ in reversed(ctx.metrics.recorded) if n == "dlrm_inference_ms_total")
+        paired.append((wall, inference_ms / 1e3))
+
+    timed_calls(handle_once, seconds / 2, 400)
+    paired = paired[3:]  # timed_calls' warm-up calls
+    stage = {"parse": [], "collate": [], "forward": [], "respond": []}
+
+    def staged_record():
+        t = [time.perf_counter()]
+        parsed = [parse(b) for b in bodies]
+        t.append(time.perf_counter())
+        batch, _ = collate(parsed, cfg, handler.device)
+        t.append(time.perf_counter())
+        answers = scores(handler.model, batch, cfg)
+        t.append(time.perf_counter())
+        [response_body(x) for x in answers]
+        t.append(time.perf_counter())
+        for k, t0, t1 in zip(stage, t, t[1:]):
+            stage[k].append(t1 - t0)
+
+    timed_calls(staged_record, seconds / 2, 400)
+    med = {k: statistics.median(v) * 1e6 for k, v in stage.items()}
+    total = statistics.median(w for w, _ in paired) * 1e6
+    share = statistics.median((w - f) / f for w, f in paired)
+    prep_share = [(p + c) / f for p, c, f in zip(stage["parse"], stage["collate"], stage["forward"])]
+    rows = rows_of(kind)
+    row = {
+        "requests": n_req, "rows_per_request": rows, "form": form_of(kind),
+        "body_bytes": round(statistics.mean(map(len, bodies))),
+        **{f"{k}_us_per_request": round(v / n_req, 1) for k, v in med.items()},
+        **{f"{k}_us_per_row": round(v / (n_req * rows), 2) for k, v in med.items()},
+        "handle_us": round(total), "forward_us": round(med["forward"]),
+        "overhead_share_of_forward": round(share, 3),
+        "parse_collate_share_of_forward": round(statistics.median(prep_share), 3),
+    }
+    log(f"handler {n_req} x {rows} rows ({row['form']}, {row['body_bytes']:,} B): handle {total:,.0f} us, forward "
+        f"{med['forward']:,.0f} us, parse {med['parse']:,.0f}, collate {med['collate']:,.0f}, respond {med['respond']:,.0f} us")
+    return row
 
 
 # --- 3 + 4. served -------------------------------------------------------------------------------

@@ -258,7 +258,7 @@ async def _signal_worker_during_load(b: Bench, name: str, sig: int, times: int, 
     r = row(name, res, wrong, rss_mb_before=rss, rss_mb_after=b.rss_mb())
     common_checks(r)
     recoveries, loads, in_hands, windows = [], [], [], []
-    for t, pid in faults:
+    for t, _pid in faults:
         back = first_ok_sent_after(res, t)
         recoveries.append(round(back - t, 2) if back else None)
         loads.append(b.load_time_after(t))

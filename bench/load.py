@@ -138,8 +138,8 @@ async def run_load(
                 t0 = time.perf_counter()
                 try:
                     status, answer = await asyncio.wait_for(conn.post(body), deadline_s)
-                except (ConnectionError, OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
-                    hung = isinstance(e, asyncio.TimeoutError)
+                except (ConnectionError, OSError, asyncio.IncompleteReadError, TimeoutError) as e:
+                    hung = isinstance(e, TimeoutError)
                     if hung:
                         result.timeouts += 1
                         await conn.close()
