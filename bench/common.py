@@ -115,7 +115,7 @@ def form_of(kind) -> str:
 def make_kind(kind, cfg, rng):
     """One request body of ``kind`` (see rows_of); a Criteo TSV body is a str, as TorchServe hands it over."""
     if kind == V2_BINARY:
-        return v2_bodies(cfg, rng, RANKING_ROWS)[1]
+        return v2_binary(cfg, rng, RANKING_ROWS)
     if kind == CRITEO_TSV:
         line = lambda: "\t".join(  # noqa: E731
             [str(rng.randrange(2))]
@@ -126,10 +126,9 @@ def make_kind(kind, cfg, rng):
     return make_body(cfg, rng, rows_of(kind), form_of(kind))
 
 
-def v2_bodies(cfg, rng, rows: int) -> tuple[bytes, bytes, int]:
-    """One request as Open Inference Protocol v2: JSON, and binary (tritonclient's default).
-    Returns (json body, binary body, its JSON header's length): the header is the same for
-    every request of one shape, so one Inference-Header-Content-Length serves all."""
+def v2_binary(cfg, rng, rows: int) -> bytes:
+    """One request as Open Inference Protocol v2 binary tensors (tritonclient's default): a JSON
+    header (the same for every request of one shape), then the tensors' bytes."""
     import numpy as np
 
     dense = np.array([[rng.uniform(-2, 2) for _ in range(cfg.num_dense_features)] for _ in range(rows)], np.float32)
@@ -139,17 +138,13 @@ def v2_bodies(cfg, rng, rows: int) -> tuple[bytes, bytes, int]:
     }
     tensors = [("dense", "FP32", [rows, cfg.num_dense_features], dense)]
     tensors += [(f, "INT64", [rows], v) for f, v in ids.items()]
-    as_json = {
-        "inputs": [{"name": n, "datatype": t, "shape": s, "data": a.reshape(-1).tolist()} for n, t, s, a in tensors],
-        "parameters": {"binary_data_output": False},
-    }
     raws = [a.astype(a.dtype.newbyteorder("<")).tobytes() for *_, a in tensors]
     inputs = [
         {"name": n, "datatype": t, "shape": s, "parameters": {"binary_data_size": len(r)}}
         for (n, t, s, _), r in zip(tensors, raws)
     ]
     header = json.dumps({"inputs": inputs, "parameters": {"binary_data_output": True}}).encode()
-    return json.dumps(as_json).encode(), header + b"".join(raws), len(header)
+    return header + b"".join(raws)
 
 
 # --- the model in this process -------------------------------------------------------------------
@@ -432,14 +427,12 @@ def request_loop(pool: list[bytes]):
     return next_request, errors
 
 
-def measure_load(
-    url: str, pool: list[bytes], rows: int, concurrency: int, duration: float, headers: dict | None = None
-) -> dict:
+def measure_load(url: str, pool: list[bytes], rows: int, concurrency: int, duration: float) -> dict:
     """A 2 s warm-up, then ``duration`` s of closed-loop load: req/s, rows/s, p50, p99, errors."""
     next_request, errors = request_loop(pool)
-    asyncio.run(run_load(url, next_request, concurrency, min(2.0, duration), 100_000, headers))
+    asyncio.run(run_load(url, next_request, concurrency, min(2.0, duration), 100_000))
     errors[0] = 0
-    res = asyncio.run(run_load(url, next_request, concurrency, duration, 2_000_000, headers))
+    res = asyncio.run(run_load(url, next_request, concurrency, duration, 2_000_000))
     return {
         "requests_per_s": res.answered / res.wall_s,
         "rows_per_s": res.answered * rows / res.wall_s,
