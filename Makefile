@@ -106,9 +106,8 @@ image: image-base $(PLUGIN)  ## build the container image deploy/kserve runs (VA
 # Checks before review: ruff's lint over the tree, mypy over the kit (pyproject.toml), and ruff's
 # formatter over the files already formatted (FORMATTED; the rest join as they are reworked).
 FORMATTED := dlrmkit/request.py dlrmkit/schema.py dlrmkit/forms.py dlrmkit/dense.py scripts/fuzz.py tests/test_fuzz.py \
-  tests/test_dense.py bench/common.py bench/mlperf.py bench/server_scenario.py tests/test_bench.py bench/dense.py \
-  scripts/dense_contract.py dlrmkit/delta.py tests/test_delta.py tests/test_delta_server.py scripts/publish_delta.py \
-  bench/deltas.py
+  tests/test_dense.py bench/common.py bench/mlperf.py bench/server_scenario.py tests/test_bench.py \
+  scripts/dense_contract.py dlrmkit/delta.py tests/test_delta.py tests/test_delta_server.py scripts/publish_delta.py
 lint: venv  ## ruff (lint, format) and mypy, as CI runs them before the tests
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check $(FORMATTED)
@@ -129,26 +128,26 @@ unit: venv  ## unit tests only (no TorchServe, no container)
 integration: venv $(PLUGIN)  ## integration tests only (real TorchServe)
 	$(PY) -m pytest -q -m integration
 
-# Benchmark (results/benchmark.{json,md,png}), then MLPerf's Server scenario under LoadGen
-# (results/server-scenario.{json,md,png}, LoadGen's summaries in results/loadgen/); see
-# docs/performance.md. ~30 minutes.
-bench: venv $(PLUGIN)  ## the benchmark and the Server scenario under MLPerf LoadGen (results/benchmark.*, server-scenario.*), ~30 minutes
+# Every scenario writes a run's own folder, results/<date>-<scenario>/, with its run.json (bench/common.py
+# run_dir; --out DIR elsewhere). Benchmark, then MLPerf's Server scenario under LoadGen (LoadGen's
+# summaries in its loadgen/); see docs/performance.md. ~30 minutes.
+bench: venv $(PLUGIN)  ## the benchmark and the Server scenario under MLPerf LoadGen (results/<date>-benchmark/, -server-scenario/), ~30 minutes
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) bench/benchmark.py
 	$(PY) bench/server_scenario.py
 
-# TorchServe's netty/queue/batching settings, A/B against the shipped ones (results/knobs.*).
-knobs: venv $(PLUGIN)  ## measure TorchServe's settings against the shipped ones (results/knobs.*), ~10 minutes
+# TorchServe's netty/queue/batching settings, A/B against the shipped ones.
+knobs: venv $(PLUGIN)  ## measure TorchServe's settings against the shipped ones (results/<date>-knobs/), ~10 minutes
 	$(PY) bench/knobs.py
 
 # Mixed good/bad load against a private TorchServe; every answer checked. See docs/faults-and-soak.md.
-soak: venv $(MAR) $(PLUGIN)  ## 10-minute mixed good/bad load, every answer checked (results/soak.json)
-	$(PY) bench/soak.py --duration 600 --concurrency 64 --json results/soak.json
+soak: venv $(MAR) $(PLUGIN)  ## 10-minute mixed good/bad load, every answer checked (results/<date>-soak/)
+	$(PY) bench/soak.py --duration 600 --concurrency 64
 
 # Kill, hang, restart, flood and starve a private TorchServe under load; every answer checked
-# (results/faults.{json,md}); see docs/faults-and-soak.md. Up to 10 minutes; root for the logs tmpfs.
-faults: venv $(PLUGIN)  ## break a private TorchServe under load (results/faults.*), up to 10 minutes
-	$(PY) bench/faults.py --json results/faults.json --table results/faults.md
+# (results/<date>-faults/); see docs/faults-and-soak.md. Up to 10 minutes; root for the logs tmpfs.
+faults: venv $(PLUGIN)  ## break a private TorchServe under load (results/<date>-faults/), up to 10 minutes
+	$(PY) bench/faults.py
 
 clean: stop  ## stop, then remove model_store/, .serve/ and logs/
 	rm -rf model_store .serve logs

@@ -10,8 +10,10 @@
 - servers: ``serving`` (a private TorchServe on free ports, stopped on exit);
 - load and CPU: ``measure_load`` (closed loop, bench/load.py), ``cpu_seconds``, ``frontend_pid``,
   ``jit_cpu_seconds``, ``jit_cpu_since``, ``metric_value``;
-- reports: ``write_report`` (OUT.json, OUT.md, and OUT.png when given a plot), ``machine``
-  (the CPU model and ISA every figure is named with).
+- processes: ``memory_mb`` (RSS / PSS / USS), ``open_fds``;
+- reports: ``run_dir`` (a run's own folder, results/<date>-<slug>/, with its run.json),
+  ``write_report`` (OUT.json, OUT.md, and OUT.png when given a plot), ``machine`` (the CPU model
+  and ISA every figure is named with).
 
 Nothing here imports a scenario script: scenarios import this, never each other.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import os
 import platform
@@ -112,7 +115,7 @@ def form_of(kind) -> str:
 def make_kind(kind, cfg, rng):
     """One request body of ``kind`` (see rows_of); a Criteo TSV body is a str, as TorchServe hands it over."""
     if kind == V2_BINARY:
-        return v2_bodies(cfg, rng, RANKING_ROWS)[1]
+        return v2_binary(cfg, rng, RANKING_ROWS)
     if kind == CRITEO_TSV:
         line = lambda: "\t".join(  # noqa: E731
             [str(rng.randrange(2))]
@@ -123,10 +126,9 @@ def make_kind(kind, cfg, rng):
     return make_body(cfg, rng, rows_of(kind), form_of(kind))
 
 
-def v2_bodies(cfg, rng, rows: int) -> tuple[bytes, bytes, int]:
-    """One request as Open Inference Protocol v2: JSON, and binary (tritonclient's default).
-    Returns (json body, binary body, its JSON header's length): the header is the same for
-    every request of one shape, so one Inference-Header-Content-Length serves all."""
+def v2_binary(cfg, rng, rows: int) -> bytes:
+    """One request as Open Inference Protocol v2 binary tensors (tritonclient's default): a JSON
+    header (the same for every request of one shape), then the tensors' bytes."""
     import numpy as np
 
     dense = np.array([[rng.uniform(-2, 2) for _ in range(cfg.num_dense_features)] for _ in range(rows)], np.float32)
@@ -136,17 +138,13 @@ def v2_bodies(cfg, rng, rows: int) -> tuple[bytes, bytes, int]:
     }
     tensors = [("dense", "FP32", [rows, cfg.num_dense_features], dense)]
     tensors += [(f, "INT64", [rows], v) for f, v in ids.items()]
-    as_json = {
-        "inputs": [{"name": n, "datatype": t, "shape": s, "data": a.reshape(-1).tolist()} for n, t, s, a in tensors],
-        "parameters": {"binary_data_output": False},
-    }
     raws = [a.astype(a.dtype.newbyteorder("<")).tobytes() for *_, a in tensors]
     inputs = [
         {"name": n, "datatype": t, "shape": s, "parameters": {"binary_data_size": len(r)}}
         for (n, t, s, _), r in zip(tensors, raws)
     ]
     header = json.dumps({"inputs": inputs, "parameters": {"binary_data_output": True}}).encode()
-    return json.dumps(as_json).encode(), header + b"".join(raws), len(header)
+    return header + b"".join(raws)
 
 
 # --- the model in this process -------------------------------------------------------------------
@@ -385,18 +383,23 @@ def build_archive(
 
 
 @contextlib.contextmanager
-def serving(home: Path, store: Path, models: dict[str, bytes], env: dict | None = None, timeout: float = 600, **kw):
+def serving(
+    home: Path, store: Path, models: dict[str, bytes], env: dict | None = None, timeout: float = 600, cpus=None, **kw
+):
     """A private TorchServe on free ports serving ``store``'s ``models`` (name -> the probe body
-    that must score before it counts as ready), with ``env`` set for it and its workers; stopped
-    on exit. ``kw`` goes to tsctl.Server (``overrides=``, ``properties=``)."""
+    that must score before it counts as ready), with ``env`` set for it and its workers, pinned to
+    ``cpus`` (a CPU set; the load generator is not); stopped on exit. ``kw`` goes to tsctl.Server
+    (``overrides=``, ``properties=``)."""
     overrides = {"load_models": ",".join(f"{m}={m}.mar" for m in models), **kw.pop("overrides", {})}
     srv = Server.on_free_ports(home, model_store=store, overrides=overrides, **kw)
-    saved = {k: os.environ.get(k) for k in env or {}}
+    saved, mine = {k: os.environ.get(k) for k in env or {}}, os.sched_getaffinity(0)
     os.environ.update(env or {})
+    os.sched_setaffinity(0, cpus or mine)  # the frontend and its workers inherit both
     log(f"starting TorchServe for {', '.join(models)} (logs in {srv.log_dir})")
     try:
         srv.start()
     finally:  # the server has its environment: this process gets its own back
+        os.sched_setaffinity(0, mine)
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     try:
@@ -424,14 +427,12 @@ def request_loop(pool: list[bytes]):
     return next_request, errors
 
 
-def measure_load(
-    url: str, pool: list[bytes], rows: int, concurrency: int, duration: float, headers: dict | None = None
-) -> dict:
+def measure_load(url: str, pool: list[bytes], rows: int, concurrency: int, duration: float) -> dict:
     """A 2 s warm-up, then ``duration`` s of closed-loop load: req/s, rows/s, p50, p99, errors."""
     next_request, errors = request_loop(pool)
-    asyncio.run(run_load(url, next_request, concurrency, min(2.0, duration), 100_000, headers))
+    asyncio.run(run_load(url, next_request, concurrency, min(2.0, duration), 100_000))
     errors[0] = 0
-    res = asyncio.run(run_load(url, next_request, concurrency, duration, 2_000_000, headers))
+    res = asyncio.run(run_load(url, next_request, concurrency, duration, 2_000_000))
     return {
         "requests_per_s": res.answered / res.wall_s,
         "rows_per_s": res.answered * rows / res.wall_s,
@@ -454,6 +455,19 @@ def cpu_seconds(pids: list[int]) -> float:
         t = psutil.Process(pid).cpu_times()
         total += t.user + t.system + t.children_user + t.children_system
     return total
+
+
+def memory_mb(pids: list[int], kinds=("rss",)) -> dict[str, float]:
+    """MB per process of ``pids`` (mean): RSS, PSS (shared pages split among the processes mapping
+    them), USS (pages only that process holds: what one more worker costs)."""
+    import psutil
+
+    mem = [psutil.Process(p).memory_full_info() for p in pids]
+    return {k: round(sum(getattr(m, k) for m in mem) / max(1, len(mem)) / 2**20, 1) for k in kinds}
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def cpu_snapshot(procs: dict[str, list[int]]) -> dict[str, float] | None:
@@ -522,6 +536,22 @@ def machine() -> dict:
         "isa_served": served,
         "load_average": load,
     }
+
+
+def run_dir(script: str, slug: str, title: str, out: str | Path | None = None, argv: list[str] | None = None) -> Path:
+    """The folder a run writes to: ``out``, or a committed run's own results/<YYYY-MM-DD>-<slug>/,
+    created with its run.json (title, date, commit, cpu, isa, and the command: ``script``, the
+    scenario's file, with ``argv``, by default this process's arguments)."""
+    date = datetime.date.today().isoformat()
+    folder = Path(out) if out else ROOT / "results" / f"{date}-{slug}"
+    folder.mkdir(parents=True, exist_ok=True)
+    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    m, args = machine(), sys.argv[1:] if argv is None else argv
+    command = " ".join(["python", os.path.relpath(script, ROOT), *args])
+    run = {"title": title, "date": date, "commit": sha.stdout.strip(), "cpu": m["cpu"], "isa": m["isa"]}
+    run["command"] = command
+    (folder / "run.json").write_text(json.dumps(run, indent=2) + "\n")
+    return folder
 
 
 def write_report(out: Path, report: dict, lines: list[str], plot=None) -> None:

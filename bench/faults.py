@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Faults: break a private TorchServe under load in every way of docs/faults-and-soak.md; count answers.
 
-    python bench/faults.py --json results/faults.json --table results/faults.md   # ~10 min
-    python bench/faults.py --short                                                # ~2 min (tests)
+    python bench/faults.py            # ~10 min; writes results/<date>-faults/ (--out DIR)
+    python bench/faults.py --short    # ~2 min (tests)
 
 One TorchServe on free loopback ports serves an archive built from model-config.yaml with a
 short responseTimeout (--response-timeout), so a hung worker is noticed within the run. Closed-loop
-clients (bench/loadgen.py) send single-row and 128-row requests; every 200 is checked against
+clients (bench/load.py) send single-row and 128-row requests; every 200 is checked against
 scores computed in this process from the archive's weights (common.expected_scores). Scenarios, in
 order: baseline, worker killed (SIGKILL), worker hung (SIGSTOP), server restarted, rollout,
 overload, slow and broken clients, archive faults, logs on a full / read-only disk. Each row
@@ -33,19 +33,16 @@ import zipfile
 from datetime import datetime
 from pathlib import Path
 
-import yaml
-
-from bench.load import LoadResult, percentile, run_load  # noqa: E402
-from bench.common import expected_scores, random_instance, same_scores  # noqa: E402
-from scripts.tsctl import ROOT, Server  # noqa: E402
+from bench.common import (
+    ROOT, build_archive, expected_scores, frontend_pid, log, memory_mb, open_fds, random_instance, run_dir, same_scores,
+    unpack, write_report,
+)
+from bench.load import LoadResult, percentile, run_load
+from scripts.tsctl import Server
 
 
 MODEL = "dlrm"
 ROWS = (1, 128)  # the issue's mix: single-row and 128-row requests
-
-
-def say(msg: str) -> None:
-    print(f"[faults] {msg}", flush=True)
 
 
 # --- the private server and what it serves ------------------------------------------------------
@@ -57,29 +54,21 @@ class Bench:
     def __init__(self, args, tmp: Path):
         from dlrmkit.config import DLRMConfig
 
-        from scripts import build_mar
-
-        self.args, self.tmp = args, tmp
-        doc = yaml.safe_load((ROOT / "model-config.yaml").read_text())
-        doc["responseTimeout"] = args.response_timeout
+        self.args, self.tmp, self.store = args, tmp, tmp / "store"
         # One worker, whatever the host's CPU rule gives: a killed or hung worker is then the
         # model's only one, the hardest case, and "the serving worker" is one process.
-        doc["minWorkers"] = doc["maxWorkers"] = 1
-        self.config_path = tmp / "model-config.yaml"
-        self.config_path.write_text(yaml.safe_dump(doc))
-        self.store = tmp / "store"
-        build_mar.main(["--config", str(self.config_path), "--output-dir", str(self.store)])
+        items = {"responseTimeout": args.response_timeout, "workers": 1}
+        self.config_path = build_archive(ROOT / "model-config.yaml", self.store, MODEL, items)[0]
         self.cfg = DLRMConfig.from_yaml(self.config_path)
-        with zipfile.ZipFile(self.store / f"{MODEL}.mar") as z:
-            z.extract("dlrm.pt", tmp)
+        unpack(self.store / f"{MODEL}.mar", tmp / "model")
         rng = random.Random(args.seed)
         features, rows, n_dense = list(self.cfg.sparse_features), list(self.cfg.num_embeddings), self.cfg.num_dense_features
         self.pool = []
         for k in range(args.pool):
             insts = [random_instance(rng, features, rows, n_dense) for _ in range(ROWS[k % 2])]
             self.pool.append(json.dumps(insts[0] if len(insts) == 1 else {"instances": insts}).encode())
-        say(f"scoring {len(self.pool)} requests in this process (the expected answers)")
-        self.expected = expected_scores(self.cfg, tmp / "dlrm.pt", self.pool)
+        log(f"scoring {len(self.pool)} requests in this process (the expected answers)")
+        self.expected = expected_scores(self.cfg, tmp / "model" / "dlrm.pt", self.pool)
         self.rng = rng
         # logs/ on a small tmpfs of its own, so the last scenario can fill it (mount needs root).
         logs = tmp / "logs"
@@ -116,20 +105,11 @@ class Bench:
 
     # --- processes ---
 
-    def frontend_pid(self) -> int:
-        return int((self.srv.home / "tmp" / ".model_server.pid").read_text().split()[0])
-
-    def worker_pid(self) -> int:
-        pids = self.srv.worker_pids(MODEL)
-        return pids[0]
-
     def rss_mb(self) -> dict:
-        """Resident memory of the frontend (Java) and the worker(s), MB."""
-        out = {"frontend": _rss_mb(self.frontend_pid())}
-        try:
-            out["worker"] = round(sum(_rss_mb(p) for p in self.srv.worker_pids(MODEL)), 1)
-        except (RuntimeError, OSError):
-            out["worker"] = None
+        """Resident memory of the frontend (Java) and the worker, MB."""
+        out = {"frontend": memory_mb([frontend_pid(self.srv)])["rss"], "worker": None}
+        with contextlib.suppress(RuntimeError, OSError):
+            out["worker"] = memory_mb(self.srv.worker_pids(MODEL))["rss"]
         return out
 
     def log_times(self, *needles: str) -> list[tuple[float, str]]:
@@ -170,17 +150,6 @@ class Bench:
         return later[0] - self.wall_offset if later else None
 
 
-def _rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return round(int(line.split()[1]) / 1024, 1)
-    return 0.0
-
-
-def _fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
 # --- one row of the table -----------------------------------------------------------------------
 
 
@@ -212,7 +181,7 @@ def row(name: str, res: LoadResult | None, wrong: int, **extra) -> dict:
 
 def check(r: dict, name: str, ok: bool, seen) -> None:
     r["checks"][name] = {"ok": bool(ok), "seen": seen}
-    say(f"  {'ok  ' if ok else 'FAIL'} {r['scenario']}: {name} (seen: {seen})")
+    log(f"  {'ok  ' if ok else 'FAIL'} {r['scenario']}: {name} (seen: {seen})")
 
 
 def common_checks(r: dict) -> None:
@@ -269,11 +238,11 @@ async def _signal_worker_during_load(b: Bench, name: str, sig: int, times: int, 
 
     async def inject():
         for n in range(times):
-            pid = b.worker_pid()
+            pid = b.srv.worker_pids(MODEL)[0]
             t = time.perf_counter()
             os.kill(pid, sig)
             faults.append((t, pid))
-            say(f"  {name}: signal {signal.Signals(sig).name} to worker {pid} ({n + 1}/{times})")
+            log(f"  {name}: signal {signal.Signals(sig).name} to worker {pid} ({n + 1}/{times})")
             if hold:
                 await asyncio.sleep(hold)
                 try:
@@ -289,7 +258,7 @@ async def _signal_worker_during_load(b: Bench, name: str, sig: int, times: int, 
     r = row(name, res, wrong, rss_mb_before=rss, rss_mb_after=b.rss_mb())
     common_checks(r)
     recoveries, loads, in_hands, windows = [], [], [], []
-    for t, pid in faults:
+    for t, _pid in faults:
         back = first_ok_sent_after(res, t)
         recoveries.append(round(back - t, 2) if back else None)
         loads.append(b.load_time_after(t))
@@ -353,10 +322,10 @@ async def server_restarted(b: Bench) -> dict:
 
     async def restart():
         marks["stop"] = time.perf_counter()
-        say("  server restarted: stopping TorchServe")
+        log("  server restarted: stopping TorchServe")
         await asyncio.to_thread(b.srv.stop)
         marks["stopped"] = time.perf_counter()
-        say("  server restarted: starting TorchServe")
+        log("  server restarted: starting TorchServe")
         await asyncio.to_thread(b.srv.start)
         await asyncio.to_thread(b.srv.wait_ready, MODEL, b.pool[0], 180)
         marks["ready"] = time.perf_counter()
@@ -397,7 +366,7 @@ async def overload(b: Bench) -> dict:
     """c=256 (16x the steady clients) for --overload s, then the steady load again: how fast
     latency returns to the baseline's."""
     rss = b.rss_mb()
-    say(f"  overload: c={b.args.overload_concurrency} for {b.args.overload:.0f} s")
+    log(f"  overload: c={b.args.overload_concurrency} for {b.args.overload:.0f} s")
     res, wrong = await b.load(b.args.overload_concurrency, b.args.overload)
     rss_peak = b.rss_mb()
     t_drop = time.perf_counter()
@@ -442,9 +411,9 @@ async def slow_clients(b: Bench) -> dict:
     body = b.pool[1]  # 128 rows: a response long enough to hang up in the middle of
     head = (f"POST /predictions/{MODEL} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
-    fe = b.frontend_pid()
+    fe = frontend_pid(b.srv)
     await asyncio.sleep(1.0)
-    fds0, rss0 = _fds(fe), b.rss_mb()
+    fds0, rss0 = open_fds(fe), b.rss_mb()
     hangups, fds_stalled, fds_after = [0], [], []
 
     async def hang_up(stop: asyncio.Event):
@@ -465,7 +434,7 @@ async def slow_clients(b: Bench) -> dict:
             writer.write(head + body[: len(body) // 2])
             await writer.drain()
             stalled.append(writer)
-        fds_stalled.append(_fds(fe))
+        fds_stalled.append(open_fds(fe))
         stop = asyncio.Event()
 
         async def timed():
@@ -478,9 +447,9 @@ async def slow_clients(b: Bench) -> dict:
         for writer in stalled:
             writer.transport.abort()
         deadline = time.monotonic() + 20  # bounded wait for the frontend to close what was dropped
-        while _fds(fe) > fds0 + 5 and time.monotonic() < deadline:
+        while open_fds(fe) > fds0 + 5 and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
-        fds_after.append(_fds(fe))
+        fds_after.append(open_fds(fe))
         return out
 
     alone, beside = [await b.load(b.args.slow_concurrency, b.args.slow)], []
@@ -553,7 +522,7 @@ async def archive_faults(b: Bench) -> dict:
                     rollout.main, ["--home", str(b.srv.home), "--archive", archive, "--timeout", "120"])
             answers[why] = {"archive": archive, "rc": rc, "seconds": round(time.perf_counter() - t, 1),
                             "message": err.getvalue().strip()[:400]}
-            say(f"  archive faults: {why}: exit {rc} in {answers[why]['seconds']} s: {answers[why]['message']}")
+            log(f"  archive faults: {why}: exit {rc} in {answers[why]['seconds']} s: {answers[why]['message']}")
 
     res, wrong, _ = await under_load(b, register, lead=0.5, tail=1.0, concurrency=4)
     r = row("archive faults", res, wrong, registrations=answers)
@@ -578,7 +547,7 @@ async def logs_disk(b: Bench) -> list[dict]:
                 f.write(b"\0" * (1 << 20))
                 f.flush()
     except OSError as e:
-        say(f"  logs: tmpfs full ({e.strerror}); the logs took {logs_mb} MB")
+        log(f"  logs: tmpfs full ({e.strerror}); the logs took {logs_mb} MB")
     rss = b.rss_mb()
     res, wrong = await b.load(b.args.concurrency, b.args.logs)
     r = row("logs disk full", res, wrong, rss_mb_before=rss, rss_mb_after=b.rss_mb(),
@@ -645,8 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--short", action="store_true", help="the integration test's version: fewer, shorter faults (~2 min)")
     ap.add_argument("--only", nargs="+", choices=list(SCENARIOS), help="run these scenarios (after the baseline)")
-    ap.add_argument("--json", help="write the rows here (e.g. results/faults.json)")
-    ap.add_argument("--table", help="write the Markdown table here (e.g. results/faults.md)")
+    ap.add_argument("--out", help="write faults.json, faults.md and run.json here (default: results/<date>-faults/)")
     ap.add_argument("--concurrency", type=int, default=16, help="steady clients (default: %(default)s)")
     ap.add_argument("--deadline", type=float, default=60,
                     help="seconds a request may wait for its answer before it counts as unanswered (default: %(default)s)")
@@ -670,18 +638,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.keep:
             tmp = tempfile.mkdtemp(prefix="dlrm-faults-kept-")
         b = Bench(args, Path(tmp))
-        say(f"starting TorchServe (logs in {b.srv.log_dir})")
+        log(f"starting TorchServe (logs in {b.srv.log_dir})")
         b.srv.start()
         rows = []
         try:
             b.srv.wait_ready(MODEL, b.pool[0], timeout=180)
 
             async def run_all():
-                say(f"baseline: c={args.concurrency} for {args.baseline} s")
+                log(f"baseline: c={args.concurrency} for {args.baseline} s")
                 rows.append(await baseline(b))
                 # --short leaves out the rollout: tests/test_ops_server.py rolls out under load.
                 for name in args.only or [n for n in SCENARIOS if not (args.short and n == "rollout")]:
-                    say(f"scenario {name} ({time.monotonic() - t0:.0f} s in)")
+                    log(f"scenario {name} ({time.monotonic() - t0:.0f} s in)")
                     out = await SCENARIOS[name](b)
                     rows.extend(out if isinstance(out, list) else [out])
 
@@ -690,16 +658,12 @@ def main(argv: list[str] | None = None) -> int:
             b.srv.stop()
             if b.logs_tmpfs:
                 subprocess.run(["umount", "-l", str(b.srv.log_dir)], check=False)
-    text = table(rows)
-    print(text)
-    report = {"short": args.short, "seconds": round(time.monotonic() - t0, 1), "concurrency": args.concurrency,
+    report = {"short": args.short, "wall_s": round(time.monotonic() - t0, 1), "concurrency": args.concurrency,
               "response_timeout_s": args.response_timeout, "deadline_s": args.deadline, "rows": rows}
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    if args.table:
-        Path(args.table).write_text(text)
+    out = run_dir(__file__, "faults", "Faults under load: a private TorchServe broken every way", args.out, argv)
+    write_report(out / "faults", report, table(rows).splitlines())
     bad = [f"{r['scenario']}: {n}" for r in rows for n, c in r["checks"].items() if not c["ok"]]
-    say(f"{'PASS' if not bad else 'FAIL'} in {report['seconds']:.0f} s" + "".join(f"\n  failed: {x}" for x in bad))
+    log(f"{'PASS' if not bad else 'FAIL'} in {report['wall_s']:.0f} s" + "".join(f"\n  failed: {x}" for x in bad))
     return 0 if not bad else 1
 
 

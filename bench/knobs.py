@@ -3,7 +3,7 @@
 
     python bench/knobs.py                   # what `make knobs` runs; ~10 minutes
     python bench/knobs.py --rounds 1 --duration 3    # a quick look
-    python bench/knobs.py --placements --cpus 1 2 --rounds 3 --duration 5 --out results/cpu-rule
+    python bench/knobs.py --placements --cpus 1 2 --rounds 3 --duration 5
                                             # workers x threads on 1 and 2 CPUs (dlrmkit.cpus.cpu_rule)
 
 Each setting is a fresh TorchServe (the shipped config.properties plus the setting's
@@ -12,7 +12,7 @@ overrides) serving the Criteo-layout archive; each is measured at the two headli
 ``--rounds`` rounds, the settings' order reversed every other round, so that a drift of the
 shared machine hits every setting alike. Reported per setting: the median over rounds of
 req/s, rows/s and p99, and each as a ratio to the shipped setting measured in the same rounds.
-Writes results/knobs.json and results/knobs.md (--out). With ``--cpus``, every setting is also
+Writes knobs.json, knobs.md and run.json to results/<date>-knobs/ (--out DIR). With ``--cpus``, every setting is also
 measured with TorchServe (frontend and workers) pinned to the first N CPUs of this process
 (sched_setaffinity before the start; the load generator is not pinned), each CPU count with its
 own reference setting; with ``--placements`` the settings are workers x torch threads.
@@ -30,8 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import RANKING, ROOT, build_archive, log, make_kind, measure_load, rows_of, write_report
-from scripts.tsctl import Server
+from bench.common import RANKING, ROOT, build_archive, log, make_kind, measure_load, memory_mb, rows_of, run_dir, serving
+from bench.common import write_report
 
 # name -> (config.properties overrides, model-config overrides). "shipped" is the kit's own.
 SETTINGS = {
@@ -45,10 +45,8 @@ SETTINGS = {
     "batchSize=128": ({}, {"batchSize": 128}),
     "maxBatchDelay=5": ({}, {"maxBatchDelay": 5}),
     "batchSize=128 + netty_client_threads=1": ({"netty_client_threads": 1}, {"batchSize": 128}),
-    # a batch of 256 rows or more on a thread per CPU (dlrmkit.cpus.forward_threads)
-    "large_batch_rows=256": ({}, {"large_batch_rows": 256}),
 }
-HANDLER_KEYS = ("torch_threads", "large_batch_rows")
+HANDLER_KEYS = ("torch_threads",)
 # workers x torch threads per worker (the CPU rule's candidates, dlrmkit.cpus.cpu_rule)
 PLACEMENTS = {f"{w} worker(s) x {t} thread(s)": ({}, {"minWorkers": w, "maxWorkers": w, "torch_threads": t})
               for w, t in ((1, 1), (2, 1), (1, 2))}
@@ -68,27 +66,13 @@ def build(cfg_path: Path, store: Path, chosen: list[str], settings: dict) -> dic
     return names
 
 
-def measure(srv: Server, model: str, bodies: dict, duration: float) -> dict:
+def measure(srv, model: str, bodies: dict, duration: float) -> dict:
+    """The POINTS, and MB per worker (the mapped tables are shared: USS is what one more costs)."""
     url = f"{srv.url}/predictions/{model}"
     out = {f"{'single' if kind == 1 else 'ranking'}_c{c}": measure_load(url, bodies[kind], rows_of(kind), c, duration)
            for kind, c in POINTS}
-    out["memory"] = worker_memory(srv.worker_pids(model))
+    out["memory"] = memory_mb(srv.worker_pids(model), ("rss", "pss", "uss"))
     return out
-
-
-def worker_memory(pids: list[int]) -> dict:
-    """MB per worker: RSS, PSS (shared pages split among the processes mapping them) and USS
-    (pages only this worker holds: what one more worker costs, the mapped tables being shared)."""
-    import psutil
-
-    mem = [psutil.Process(p).memory_full_info() for p in pids]
-    return {k: round(sum(getattr(m, k) for m in mem) / len(mem) / 2**20, 1) for k in ("rss", "pss", "uss")}
-
-
-def pinned(cpus: int | None):
-    """The CPU set of the first ``cpus`` CPUs this process may use (None: all of them)."""
-    mine = sorted(os.sched_getaffinity(0))
-    return set(mine[:cpus]) if cpus else set(mine)
 
 
 def main() -> int:
@@ -104,8 +88,7 @@ def main() -> int:
                          "the reference")
     ap.add_argument("--cpus", type=int, nargs="+", default=[None],
                     help="pin TorchServe to the first N CPUs, for each N given (default: no pinning)")
-    ap.add_argument("--out", default=str(ROOT / "results" / "knobs"),
-                    help="output path without suffix: writes OUT.json and OUT.md (default: %(default)s)")
+    ap.add_argument("--out", help="write knobs.json, knobs.md and run.json here (default: results/<date>-knobs/)")
     args = ap.parse_args()
     settings = PLACEMENTS if args.placements else SETTINGS
     names = args.settings or list(settings)
@@ -128,29 +111,18 @@ def main() -> int:
         store = tmp / "store"
         store.mkdir()
         archives = build(cfg_path, store, chosen, settings)
-        mine = os.sched_getaffinity(0)
         for r in range(args.rounds):
             for n, name in cases if r % 2 == 0 else cases[::-1]:
-                props, _ = settings[name]
-                model = archives[name]
-                srv = Server.on_free_ports(tmp / f"home-{r}-{len(runs[n, name])}-{n}-{model}", model_store=store,
-                                           overrides={"load_models": f"{model}={model}.mar", **props})
-                os.sched_setaffinity(0, pinned(n))  # the frontend and its workers inherit it
-                try:
-                    srv.start()
-                finally:
-                    os.sched_setaffinity(0, mine)
-                try:
-                    srv.wait_ready(model, bodies[1][0], timeout=300)
+                model, home = archives[name], tmp / f"home-{r}-{len(runs[n, name])}-{n}-{archives[name]}"
+                cpus = set(sorted(os.sched_getaffinity(0))[:n]) if n else None  # the first n CPUs
+                with serving(home, store, {model: bodies[1][0]}, None, 300, cpus, overrides=settings[name][0]) as srv:
                     got = measure(srv, model, bodies, args.duration)
-                finally:
-                    srv.stop()
                 runs[n, name].append(got)
                 log(f"round {r + 1}/{args.rounds} {name} on {n or 'all'} CPU(s): " + ", ".join(
                     f"{k} {v['requests_per_s']:,.0f} req/s p99 {v['p99_ms']:.1f} ms" for k, v in got.items()
                     if k != "memory") + f"; worker USS {got['memory']['uss']} MB")
 
-    report = {"command": "python bench/knobs.py " + " ".join(sys.argv[1:]), "config": cfg_path.name,
+    report = {"config": cfg_path.name,
               "cpus": len(os.sched_getaffinity(0)), "rounds": args.rounds, "duration_s": args.duration,
               "reference": ref, "settings": {}}
     for (n, name), rs in runs.items():
@@ -179,7 +151,7 @@ def main() -> int:
                      f"{s['p99_ms']} | {k['rows_per_s']:,.0f} ({k['range'][0]:,}-{k['range'][1]:,}) | {k['vs_shipped']} "
                      f"({'-'.join(map(str, k['vs_range']))}) | {k['p99_ms']} ({k['p99_range'][0]}-{k['p99_range'][1]}) | "
                      f"{s['errors'] + k['errors']} | {m['rss']} / {m['pss']} / {m['uss']} |")
-    write_report(Path(args.out), report, lines)
+    write_report(run_dir(__file__, "knobs", "TorchServe's settings, measured", args.out) / "knobs", report, lines)
     return 0
 
 

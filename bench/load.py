@@ -21,14 +21,12 @@ TRANSPORT_ERROR, TIMEOUT = 0, -1  # LoadResult.events statuses besides HTTP code
 class Connection:
     """One keep-alive connection; reopens when the server closes it (TorchServe does after errors)."""
 
-    def __init__(self, url: str, headers: dict | None = None):
+    def __init__(self, url: str):
         parts = urlsplit(url)
         if parts.hostname not in LOOPBACK:
             raise ValueError(f"{url}: this load generator only targets loopback addresses")
         self.host, self.port, self.path = parts.hostname, parts.port or 80, parts.path or "/"
-        self.extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self.reader = self.writer = None
-        self.headers: dict[str, str] = {}  # the last response's header fields, names lower-cased
 
     async def post(self, body: bytes, path: str | None = None) -> tuple[int, bytes]:
         for attempt in (0, 1):
@@ -36,7 +34,7 @@ class Connection:
                 self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
             head = (
                 f"POST {path or self.path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n{self.extra}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
             ).encode()
             try:
                 self.writer.write(head + body)
@@ -51,14 +49,12 @@ class Connection:
         status_line = await self.reader.readuntil(b"\r\n")
         status = int(status_line.split(b" ", 2)[1])
         length, close = 0, False
-        self.headers = {}
         while True:
             line = await self.reader.readuntil(b"\r\n")
             if line == b"\r\n":
                 break
             name, _, value = line.partition(b":")
             name = name.strip().lower()
-            self.headers[name.decode("latin-1")] = value.strip().decode("latin-1")
             if name == b"content-length":
                 length = int(value)
             elif name == b"connection" and value.strip().lower() == b"close":
@@ -110,25 +106,23 @@ async def run_load(
     concurrency: int,
     duration_s: float,
     max_requests: int,
-    headers: dict | None = None,
     progress: Callable[[LoadResult, float], Awaitable[None] | None] | None = None,
     deadline_s: float | None = None,
     record: bool = False,
     stop: asyncio.Event | None = None,
-    with_headers: bool = False,
 ) -> LoadResult:
     """``concurrency`` clients, each sending one request at a time until ``duration_s``,
     ``max_requests`` or ``stop`` is set. ``next_request(i)`` returns the body and a check called
     with the answer. A request unanswered after ``deadline_s`` counts as a timeout (its
-    connection is dropped). ``with_headers``: the check also gets the answer's header fields."""
+    connection is dropped)."""
     result = LoadResult()
     started = time.perf_counter()
     deadline = started + duration_s
-    cpu0 = _cpu()
+    cpu0 = self_cpu()
     counter = iter(range(max_requests))
 
     async def client():
-        conn = Connection(url, headers)
+        conn = Connection(url)
         try:
             for i in counter:
                 if time.perf_counter() >= deadline or (stop is not None and stop.is_set()):
@@ -138,8 +132,8 @@ async def run_load(
                 t0 = time.perf_counter()
                 try:
                     status, answer = await asyncio.wait_for(conn.post(body), deadline_s)
-                except (ConnectionError, OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
-                    hung = isinstance(e, asyncio.TimeoutError)
+                except (ConnectionError, OSError, asyncio.IncompleteReadError, TimeoutError) as e:
+                    hung = isinstance(e, TimeoutError)
                     if hung:
                         result.timeouts += 1
                         await conn.close()
@@ -155,7 +149,7 @@ async def run_load(
                 result.answered += 1
                 result.statuses[status] = result.statuses.get(status, 0) + 1
                 if check:
-                    check(status, answer, conn.headers) if with_headers else check(status, answer)
+                    check(status, answer)
         finally:
             await conn.close()
 
@@ -169,10 +163,11 @@ async def run_load(
     await asyncio.gather(*(client() for _ in range(concurrency)))
     rep.cancel()
     result.wall_s = time.perf_counter() - started
-    result.client_cpu_s = _cpu() - cpu0
+    result.client_cpu_s = self_cpu() - cpu0
     return result
 
 
-def _cpu() -> float:
+def self_cpu() -> float:
+    """User + system CPU seconds of this process: the load generator's share of the cores."""
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime

@@ -25,7 +25,6 @@ import http.client
 import json
 import random
 import re
-import resource
 import shutil
 import tempfile
 import threading
@@ -35,6 +34,7 @@ from typing import NamedTuple
 from urllib.parse import urlsplit
 
 from bench.common import ROOT, cpu_snapshot, make_instance
+from bench.load import self_cpu
 
 BINARY_HEADER = "Inference-Header-Content-Length"
 
@@ -240,7 +240,7 @@ def run(
     log_settings.log_output.outdir = str(logs)
     log_settings.log_output.copy_summary_to_stdout = False
     groups = procs() if procs else {}
-    cpu0, client0, t0 = cpu_snapshot(groups), _self_cpu(), time.perf_counter()
+    cpu0, client0, t0 = cpu_snapshot(groups), self_cpu(), time.perf_counter()
     try:
         lg.StartTestWithLogSettings(lg_sut, qsl, settings(qps, seconds, min_queries, max_seconds), log_settings)
     finally:
@@ -249,7 +249,7 @@ def run(
         sut.part_senders.shutdown(wait=True)
         lg.DestroyQSL(qsl)
         lg.DestroySUT(lg_sut)
-    cpu1, client = cpu_snapshot(groups), _self_cpu() - client0
+    cpu1, client = cpu_snapshot(groups), self_cpu() - client0
     text = (logs / "mlperf_log_summary.txt").read_text()
     shutil.rmtree(logs, ignore_errors=True)
     if out is not None:
@@ -270,11 +270,6 @@ def run(
         res.update({f"{k}_cpu_us_per_query": round((cpu1[k] - cpu0[k]) / q * 1e6) for k in groups})
     res["ok"] = bool(res.get("valid")) and sut.errors == 0
     return res
-
-
-def _self_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 _LATENCIES = {"50.00": "p50_ms", "90.00": "p90_ms", "99.00": "p99_ms", "99.90": "p999_ms"}

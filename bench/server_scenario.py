@@ -13,9 +13,10 @@ is): the archive is built with that overlay and served by a private TorchServe; 
 forward of the same archive at batch 256 (bench/common.HostForward: the dense half at the
 archive's precision) is measured before and after; LoadGen (bench/mlperf.py) offers queries of
 100-700 pairs at a rate found by bisection, each run at least --seconds and 500 queries, and the
-highest rate LoadGen calls VALID (p99 <= 60 ms) with no failed query is the result. LoadGen's
-summary of every run is kept in results/loadgen/. Writes results/server-scenario.json, .md, and
-.png (p99 against the offered rate per config and variant, the 60 ms bound drawn).
+highest rate LoadGen calls VALID (p99 <= 60 ms) with no failed query is the result. Writes
+server-scenario.json, .md, .png (p99 against the offered rate per config and variant, the 60 ms
+bound drawn), run.json and loadgen/ (LoadGen's summary of every run) to results/<date>-server-scenario/
+(--out DIR).
 """
 
 from __future__ import annotations
@@ -31,9 +32,8 @@ import time
 from pathlib import Path
 
 from bench import mlperf
-from bench.common import HostForward, ROOT, build_archive, frontend_pid, jit_cpu_seconds, load_served, log, machine
-from bench.common import jit_cpu_since, metric_value, serving
-from bench.common import unpack, write_report
+from bench.common import HostForward, ROOT, build_archive, frontend_pid, jit_cpu_seconds, jit_cpu_since, load_served
+from bench.common import log, machine, metric_value, run_dir, serving, unpack, write_report
 
 HOST_BATCH = 256
 # Issue 29's targets per config: pairs/s at the bound over an anchor measured in the same run.
@@ -384,7 +384,7 @@ def markdown(report: dict) -> list[str]:
         f"q/s cannot send that many: INVALID by the cap, the search goes no lower; a rate LoadGen's early stopping alone "
         "leaves undecided, p99 under the bound, runs again with the queries LoadGen asks for and half again: that "
         f"run's verdict stands); the highest offered rate LoadGen calls VALID (p99 <= {bound:.0f} ms) "
-        "with no failed query. LoadGen's summaries: `results/loadgen/`.",
+        "with no failed query. LoadGen's summaries: loadgen/ beside this report.",
         "",
         "| config | variant | dense half | workers | VALID q/s | pairs/s | per core | p99 ms | host raw forward "
         f"B={HOST_BATCH} rows/s | pairs/s / host | runs (q/s: p99 ms, V = VALID) |",
@@ -557,9 +557,8 @@ OPTIONS = (  # flag, type, default, help
     ("--warm-up-max", float, 90.0, "warm-up rounds stop here if the frontend's JIT has not settled"),
     ("--host-seconds", float, 3.0, "seconds per raw-forward measurement, each way"),
     ("--profile-reps", int, 20, "times the largest and the smallest query are sent alone for the profile"),
-    ("--out", str, str(ROOT / "results" / "server-scenario"), "output path without suffix"),
-    ("--from-json", str, None, "write the .md and .png again from this run's JSON, measuring nothing"),
-    ("--loadgen-dir", str, str(ROOT / "results" / "loadgen"), "where LoadGen's summary of every run is kept"),
+    ("--out", str, None, "output folder; default: results/<date>-server-scenario/"),
+    ("--from-json", str, None, "write the .md and .png again (to --out) from this run's JSON, measuring nothing"),
 )
 
 
@@ -574,8 +573,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--form: expected one of {', '.join(mlperf.FORMS)}, got {args.form!r}")
     if args.from_json:
         report = json.loads(Path(args.from_json).read_text())
-        write_report(Path(args.out), report, markdown(report), plot)
+        write_report(Path(args.out or Path(args.from_json).parent) / "server-scenario", report, markdown(report), plot)
         return 0
+    out = run_dir(__file__, "server-scenario", "MLPerf's Server scenario under LoadGen", args.out, argv)
+    args.loadgen_dir = out / "loadgen"
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # killed: the finally blocks stop the server
     started, rows, load_at_start = time.perf_counter(), [], machine()["load_average"]
     with tempfile.TemporaryDirectory(prefix="dlrm-server-scenario-") as tmp:
@@ -584,12 +585,11 @@ def main(argv: list[str] | None = None) -> int:
             key = path.stem.removeprefix("model-config").strip(".")
             for variant, items in map(parse_variant, args.variant or VARIANTS.get(key, ["shipped:"])):
                 rows.append(measure(path, variant, items, Path(tmp), args))
-    command = "python bench/server_scenario.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    report = {"command": command, "machine": machine(), "seconds": args.seconds, "min_queries": args.min_queries}
+    report = {"machine": machine(), "seconds": args.seconds, "min_queries": args.min_queries}
     report.update(max_seconds=args.max_seconds, form=args.form, split_pairs=args.split_pairs)
     report["machine"]["load_average_at_start"] = load_at_start
     report.update(rows=rows, wall_s=round(time.perf_counter() - started))
-    write_report(Path(args.out), report, markdown(report), plot)
+    write_report(out / "server-scenario", report, markdown(report), plot)
     return 0
 
 

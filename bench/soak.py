@@ -4,6 +4,8 @@
     python bench/soak.py --duration 600 --concurrency 64        # starts its own server
     python bench/soak.py --url http://127.0.0.1:8080 ...         # or uses a running one
 
+Writes soak.json, soak.md and run.json to results/<date>-soak/ (--out DIR).
+
 Good requests (one or several instances, multi-hot, random key subsets) are first scored one at
 a time; under load each answer must be 200 with those solo scores (to 1e-5). Bad requests must
 get their own 4xx. Reports requests sent, answered, wrong status, wrong scores and worker
@@ -14,16 +16,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import random_instance, same_scores  # noqa: E402
-from bench.load import run_load  # noqa: E402
-from scripts.tsctl import ROOT, Server, post, worker_pids  # noqa: E402
-
+from bench.common import ROOT, log, random_instance, run_dir, same_scores, serving, write_report
+from bench.load import run_load
+from scripts.tsctl import post, worker_pids
 
 
 def good_requests(rng, n, features, rows, n_dense) -> list[bytes]:
@@ -75,7 +77,7 @@ def main() -> int:
     ap.add_argument("--bad-fraction", type=float, default=0.25, help="share of bad requests (default: %(default)s)")
     ap.add_argument("--pool", type=int, default=400, help="distinct good requests (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", help="also write the report here")
+    ap.add_argument("--out", help="write soak.json, soak.md and run.json here (default: results/<date>-soak/)")
     args = ap.parse_args()
 
     from dlrmkit.config import DLRMConfig
@@ -84,26 +86,21 @@ def main() -> int:
     features, rows = list(cfg.sparse_features), list(cfg.num_embeddings)
     rng = random.Random(args.seed)
 
-    srv = None
-    if args.url:
-        url, mgmt = args.url.rstrip("/"), (args.management_url or args.url.replace(":8080", ":8081")).rstrip("/")
-    else:
-        home = Path(tempfile.mkdtemp(prefix="dlrm-soak-"))
-        srv = Server.on_free_ports(home, model_store=Path(args.model_store))
-        print(f"[soak] starting TorchServe from {args.model_store} (logs in {srv.log_dir})", flush=True)
-        srv.start()
-        url, mgmt = srv.url, srv.management_url
-    try:
-        pool = good_requests(rng, args.pool, features, rows, cfg.num_dense_features)
-        if srv:
-            srv.wait_ready(args.model, pool[0], timeout=300)
+    pool = good_requests(rng, args.pool, features, rows, cfg.num_dense_features)
+    with contextlib.ExitStack() as stack:
+        if args.url:
+            url, mgmt = args.url.rstrip("/"), (args.management_url or args.url.replace(":8080", ":8081")).rstrip("/")
+        else:
+            home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dlrm-soak-")))
+            srv = stack.enter_context(serving(home, Path(args.model_store), {args.model: pool[0]}, timeout=300))
+            url, mgmt = srv.url, srv.management_url
         endpoint = f"{url}/predictions/{args.model}"
-        print(f"[soak] scoring {len(pool)} good requests one at a time", flush=True)
+        log(f"scoring {len(pool)} good requests one at a time")
         solo = []
         for body in pool:
             status, answer, _ = post(endpoint, body)
             if status != 200:
-                raise SystemExit(f"[soak] a good request failed alone: HTTP {status} {answer[:200]!r}")
+                raise SystemExit(f"a good request failed alone: HTTP {status} {answer[:200]!r}")
             solo.append(json.loads(answer)["scores"])
         bad = bad_requests(features, rows, cfg.num_dense_features)
 
@@ -139,16 +136,16 @@ def main() -> int:
 
         def progress(res, elapsed):
             pids_seen.update(pids_or_none(mgmt, args.model))
-            print(f"[soak] {elapsed:5.0f} s: sent {res.sent}, answered {res.answered}, wrong status "
-                  f"{wrong_status}, wrong scores {wrong_scores}, worker pids seen {len(pids_seen)}", flush=True)
+            log(f"{elapsed:5.0f} s: sent {res.sent}, answered {res.answered}, wrong status {wrong_status}, "
+                f"wrong scores {wrong_scores}, worker pids seen {len(pids_seen)}")
 
-        print(f"[soak] {args.duration:.0f} s at concurrency {args.concurrency}, {args.bad_fraction:.0%} bad", flush=True)
+        log(f"{args.duration:.0f} s at concurrency {args.concurrency}, {args.bad_fraction:.0%} bad")
         res = asyncio.run(run_load(endpoint, next_request, args.concurrency, args.duration, args.max_requests,
                                    progress=progress))
         end_pids = pids_or_none(mgmt, args.model)
         pids_seen.update(end_pids)
         report = {
-            "duration_s": round(res.wall_s, 1),
+            "wall_s": round(res.wall_s, 1),
             "concurrency": args.concurrency,
             "sent": res.sent,
             "answered": res.answered,
@@ -164,16 +161,13 @@ def main() -> int:
             "client_cpu_s": round(res.client_cpu_s, 1),
             "examples": examples,
         }
-        print(json.dumps(report, indent=2))
-        if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-        clean = report["lost"] == 0 and wrong_status == 0 and wrong_scores == 0 and report["worker_restarts"] == 0
-        print(f"[soak] {'PASS' if clean else 'FAIL'}: {report['lost']} lost, {wrong_status} wrong status, "
-              f"{wrong_scores} wrong scores, {report['worker_restarts']} worker restarts")
-        return 0 if clean else 1
-    finally:
-        if srv:
-            srv.stop()
+    clean = report["lost"] == 0 and wrong_status == 0 and wrong_scores == 0 and report["worker_restarts"] == 0
+    keys = ("sent", "answered", "lost", "wrong_status", "wrong_scores", "worker_restarts", "requests_per_s")
+    lines = ["| " + " | ".join(keys) + " | statuses | p50 / p99 ms |", "|" + "---:|" * (len(keys) + 2),
+             "| " + " | ".join(str(report[k]) for k in keys) + f" | {report['statuses']} | "
+             + " / ".join(map(str, report["latency_ms_p50_p99"])) + " |", "", f"{'PASS' if clean else 'FAIL'}"]
+    write_report(run_dir(__file__, "soak", "Soak: mixed good/bad load, every answer checked", args.out) / "soak", report, lines)
+    return 0 if clean else 1
 
 
 def pids_or_none(mgmt: str, model: str) -> list[int]:

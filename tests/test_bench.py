@@ -392,16 +392,17 @@ def test_server_scenario_under_loadgen_against_a_real_torchserve(tmp_path):
         "0",
         "--out",
         str(tmp_path / "scenario"),
-        "--loadgen-dir",
-        str(tmp_path / "lg"),
     ]
     assert server_scenario.main(args) == 0
-    report = json.loads((tmp_path / "scenario.json").read_text())
+    out = tmp_path / "scenario"
+    run = json.loads((out / "run.json").read_text())
+    assert run["command"] == "python bench/server_scenario.py " + " ".join(args) and len(run["date"]) == 10
+    report = json.loads((out / "server-scenario.json").read_text())
     (row,) = report["rows"]
     assert row["variant"] == "b8" and row["batch_size"] == 8 and row["dense"] == "fp32" and row["split_pairs"] == 300
     assert len(row["runs"]) == 2 and row["runs"][0]["target_qps"] == 10
     for r in row["runs"]:
-        summary = (tmp_path / "lg" / f"dlrmv2-b8-split300-{r['target_qps']:.2f}qps.txt").read_text()
+        summary = (out / "loadgen" / f"dlrmv2-b8-split300-{r['target_qps']:.2f}qps.txt").read_text()
         assert mlperf.parse_summary(summary)["valid"] == r["valid"]
         assert r["errors"] == 0 and r["p99_ms"] > 0
         # LoadGen stops a rate at --max-seconds: then, and only then, too few queries were sent
@@ -435,28 +436,14 @@ def test_server_scenario_under_loadgen_against_a_real_torchserve(tmp_path):
         warm["jit_share"] < server_scenario.JIT_SETTLED or warm["rounds"] == 2
     )
     assert all(r["frontend_jit_cpu_us_per_query"] >= 0 for r in row["runs"])
-    md = (tmp_path / "scenario.md").read_text()
+    md = (out / "server-scenario.md").read_text()
     assert md.count("| model-config.dlrmv2.yaml | b8 split 300 |") == 3  # the result and the profile's two queries
     assert ("Next lever (model-config.dlrmv2.yaml, b8 split 300): " in md) == (not row["target"]["met"])
     verdict = "met" if row["target"]["met"] else "missed"
     target = "Target (model-config.dlrmv2.yaml, b8 split 300): pairs/s >= 2.5 x stock torchrec's fp32 forward"
     assert f"{target}: {row['target']['ratio']}, {verdict}." in md
-    assert (tmp_path / "scenario.png").stat().st_size > 0
+    assert (out / "server-scenario.png").stat().st_size > 0
     # the report again from the run's JSON alone: the same lines
     again = tmp_path / "again"
-    assert server_scenario.main(["--from-json", str(tmp_path / "scenario.json"), "--out", str(again)]) == 0
-    assert again.with_suffix(".md").read_text() == md and again.with_suffix(".png").stat().st_size > 0
-
-
-def test_delta_load_windows_pair_with_and_without_in_a_seeded_order():
-    """bench/deltas.py: after the warm-up, every pair of 5-s windows has one with deltas and one
-    without, the order drawn per run (a periodic event of the host must not fall in one phase)."""
-    from bench import deltas
-
-    phases = deltas.window_phases(120, seed=1)
-    assert len(phases) == 24 and phases[:2] == [None, None]
-    pairs = [phases[i : i + 2] for i in range(2, 24, 2)]
-    assert all(sorted(p) == [0, 1] for p in pairs), pairs
-    assert len({tuple(p) for p in pairs}) == 2  # both orders occur
-    assert deltas.window_phases(120, seed=2) != phases and deltas.window_phases(120, seed=1) == phases
-    assert deltas.window_phases(33, seed=1)[-1] is not None and len(deltas.window_phases(33, seed=1)) == 6
+    assert server_scenario.main(["--from-json", str(out / "server-scenario.json"), "--out", str(again)]) == 0
+    assert (again / "server-scenario.md").read_text() == md and (again / "server-scenario.png").stat().st_size > 0

@@ -9,11 +9,13 @@ which installs and starts it); on CI (CI=true) they fail instead."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 import zipfile
@@ -27,8 +29,6 @@ from conftest import ROOT, TINY, tiny_config, variant
 from helpers import grpc_modules, instance
 from test_kserve_server import DENSE_ROWS, ROWS, triton
 
-from bench import container_stop  # noqa: E402
-
 pytestmark = pytest.mark.container
 
 DEPLOY = ROOT / "deploy" / "kserve"
@@ -39,6 +39,84 @@ SEED = {"dense": DENSE_ROWS[0].tolist(), "sparse": {"keys": ["feature_0", "featu
 
 def docker(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["docker", *args], check=check, capture_output=True, text=True, timeout=900)
+
+
+def run_args(image: str, name: str, port: int, container_port: int = 8080) -> list[str]:
+    """`docker run` as deploy/kserve's securityContext runs the image. /tmp as the pods' emptyDir
+    is: writable and executable (Docker's --tmpfs is noexec unless told, and Inductor loads the
+    dense half it compiles from its cache there)."""
+    return ["run", "-d", "--name", name, "--user", "1000:1000", "--read-only", "--tmpfs", "/tmp:exec",
+            "--cap-drop", "ALL", "--security-opt", "no-new-privileges", "-p", f"127.0.0.1:{port}:{container_port}", image]
+
+
+def address(container: str) -> str:
+    """The container's own address on docker's bridge: the clients talk to TorchServe, not to
+    docker-proxy (which accepts, then resets, connections for a server that has stopped)."""
+    return docker("inspect", "-f", "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}", container).stdout.strip()
+
+
+def one(host: str, port: int, body: bytes, timeout: float = 60.0) -> str:
+    """'answered', 'lost' or 'refused' for one request on a fresh connection."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.connect()
+    except OSError:
+        return "refused"
+    try:
+        conn.request("POST", "/predictions/dlrm", body, {"Content-Type": "application/json"})
+    except OSError:
+        conn.close()
+        return "refused"
+    try:
+        resp = conn.getresponse()
+        data = resp.read()
+        return "answered" if resp.status == 200 and b"score" in data else "lost"
+    except (OSError, http.client.HTTPException):
+        return "lost"
+    finally:
+        conn.close()
+
+
+def load_and_stop(container: str, host: str, port: int, concurrency: int, load_s: float, body: bytes,
+                  grace_s: int = 30) -> dict:
+    """Clients loop on host:port, each request on a fresh connection, until the container has
+    exited; `docker stop` (SIGTERM, the Kubernetes default 30 s grace) after `load_s`. Each request
+    is answered (a 200 with a score), lost (sent, then the connection broke or an error status
+    came) or refused (before it was sent: the server had stopped accepting).
+    `before_sigterm`: requests sent before the SIGTERM (the accepted ones: none may be lost),
+    `in_flight`: those of them still unanswered at the SIGTERM, `after_sigterm`: sent after it."""
+    before = {"answered": 0, "lost": 0, "refused": 0}
+    after = {"answered": 0, "lost": 0, "refused": 0}
+    in_flight = {"answered": 0, "lost": 0, "refused": 0}
+    lock = threading.Lock()
+    stop_at: list[float] = []
+    done = threading.Event()
+
+    def client():
+        while not done.is_set():
+            started = time.monotonic()
+            outcome = one(host, port, body)
+            with lock:
+                (after if stop_at and started >= stop_at[0] else before)[outcome] += 1
+                if stop_at and started < stop_at[0]:
+                    in_flight[outcome] += 1
+            if outcome == "refused":
+                time.sleep(0.05)  # bounded retry loop while the container goes away
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    time.sleep(load_s)
+    with lock:
+        stop_at.append(time.monotonic())
+    docker("stop", "-t", str(grace_s), container)
+    exit_s = time.monotonic() - stop_at[0]
+    done.set()
+    for t in threads:
+        t.join(timeout=70)
+    code = int(docker("inspect", "-f", "{{.State.ExitCode}}", container).stdout.strip())
+    return {"concurrency": concurrency, "load_s": load_s, "before_sigterm": before, "in_flight": in_flight,
+            "after_sigterm": after, "exit_code": code, "sigterm_to_exit_s": round(exit_s, 2)}
 
 
 @pytest.fixture(scope="session")
@@ -63,7 +141,7 @@ class Container:
 
     def __init__(self, image: str, args: list[str] = (), mount: Path | None = None, ports=(8085, 7070, 8082)):
         self.name = f"dlrm-test-{uuid.uuid4().hex[:8]}"
-        run = container_stop.run_args(image, self.name, 0)[:-3]  # as the pods run it, ports below
+        run = run_args(image, self.name, 0)[:-3]  # as the pods run it, ports below
         for p in ports:
             run += ["-p", f"127.0.0.1::{p}"]
         sizing = yaml.safe_load((DEPLOY / "base" / "sizing.yaml").read_text())
@@ -229,8 +307,8 @@ def test_sigterm_under_load_answers_every_accepted_request_and_exits_0(image, la
     c = Container(image, runtime_args, layout)
     try:
         ready(c)
-        host = container_stop.address(c.name)
-        result = container_stop.load_and_stop(c.name, host, 8085, concurrency=16, load_s=3,
+        host = address(c.name)
+        result = load_and_stop(c.name, host, 8085, concurrency=16, load_s=3,
                                               body=json.dumps(SEED).encode())
         assert result["exit_code"] == 0, (result, c.logs()[-4000:])
         assert result["before_sigterm"]["lost"] == 0 and result["before_sigterm"]["answered"] > 0, result
@@ -259,7 +337,7 @@ def test_the_image_compiles_the_dense_half_as_the_pods_run_it(image):
     """Inductor's C++ toolchain (g++, omp.h, Python.h) is in the image and works for uid 1000 with
     a read-only root and /tmp its only writable place. The compile itself is called, not the CPU
     check before it, so this holds on every x86 host (an AVX2 one serves such an archive as fp32)."""
-    run = container_stop.run_args(image, f"dlrm-compile-{uuid.uuid4().hex[:8]}", 0)
+    run = run_args(image, f"dlrm-compile-{uuid.uuid4().hex[:8]}", 0)
     run = [a for a in run[:-3] if a != "-d"] + ["--rm", "-v", f"{ROOT}:/kit:ro", "--entrypoint", "/opt/venv/bin/python"]
     out = docker(*run, image, "-c", COMPILE_IN_IMAGE, json.dumps({**TINY, **variant("dcn")}), check=False)
     assert out.returncode == 0 and "COMPILED int8 dynamic" in out.stdout, (out.stdout[-2000:], out.stderr[-4000:])

@@ -230,41 +230,6 @@ def _load(path: str, name: str):
     return module
 
 
-def test_the_speed_report_has_a_row_per_variant_one_core_alone_all_cores_summed():
-    bench = _load("bench/dense.py", "bench_dense")
-    info = {v: {"what": v, "forced": v.startswith(("bf16", "int8")), "max_abs_logit_diff": 0.0} for v in bench.VARIANTS}
-    rate = {v: 100.0 * (i + 1) for i, v in enumerate(bench.VARIANTS)}  # rows/s, fp32_eager the slowest
-    rates = [
-        {
-            f"{v}|{part}|{mode}": rate[v] * (1 + cpu)
-            for v in bench.VARIANTS
-            for part in ("dense_half", "whole")
-            for mode in ("one", "all")
-        }
-        for cpu in range(2)
-    ]
-    start = {"bf16": {"cold": {"setup_s": 30.0}, "warm": {"setup_s": 5.0}}}
-    rows = bench.table_rows(bench.VARIANTS, info, rates, start)
-    by = {r["variant"]: r for r in rows}
-    assert by["int8_dynamic"]["whole_one_core"] == rate["int8_dynamic"]  # CPU 0's process alone
-    assert by["int8_dynamic"]["whole_all_cores"] == 3 * rate["int8_dynamic"]  # both processes' sum
-    assert by["int8_dynamic"]["dense_half_all_cores_vs_eager"] == rate["int8_dynamic"] / rate["fp32_eager"]
-    doc = {
-        "command": "x",
-        "batch": 256,
-        "rounds": 1,
-        "note": "NOTE",
-        "host": {"cpu": "C", "cpus": 2, "isa": "avx2", "torch_capability": "AVX2", "torch": "t"},
-        "configs": [{"config": "model-config.dlrmv2.yaml", "rows_cap": 20000, "rows": rows}],
-    }
-    doc["reading"] = bench.reading(doc)
-    md = bench.speed_md(doc)
-    table = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| variant")]
-    assert [line.split(" | ")[0][2:].split()[0] for line in table] == list(bench.VARIANTS)
-    assert "| bf16 **forced** |" in md and "30.0 / 5.0 |" in md and md.rstrip().endswith("NOTE")
-    assert "fastest whole model on one core: torchrec_stock, 7.00x fp32 eager" in md
-
-
 def test_the_contract_report_has_a_row_per_precision_and_calibration():
     script = _load("scripts/dense_contract.py", "dense_contract")
     labels = [0, 1] * 20

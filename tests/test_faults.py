@@ -19,9 +19,10 @@ pytestmark = pytest.mark.integration
 def rows(tmp_path_factory) -> dict[str, dict]:
     from bench import faults
 
-    out = tmp_path_factory.mktemp("faults") / "faults.json"
-    faults.main(["--short", "--json", str(out)])
-    return {r["scenario"]: r for r in json.loads(out.read_text())["rows"]}
+    out = tmp_path_factory.mktemp("faults")
+    faults.main(["--short", "--out", str(out)])
+    assert json.loads((out / "run.json").read_text())["command"].startswith("python bench/faults.py --short")
+    return {r["scenario"]: r for r in json.loads((out / "faults.json").read_text())["rows"]}
 
 
 def failed_checks(r: dict, timing: tuple[str, ...] = ()) -> list[str]:
