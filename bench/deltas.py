@@ -298,7 +298,7 @@ def freshness(tmp: Path, a) -> dict:
         labels = data.labels[-2000:].tolist()
 
         def served_auc() -> tuple[float, set]:
-            from dlrmkit.checkpoint import auc
+            from dlrmkit.accuracy import auc
 
             scores, seqs = [], set()
             for i in range(0, len(rows), 100):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, cast
 
 import torch
 from fbgemm_gpu.split_embedding_configs import SparseType
@@ -29,6 +29,9 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
 from torch.overrides import TorchFunctionMode
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 from torchrec.quant.embedding_modules import DEFAULT_ROW_ALIGNMENT
+from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEBC
+
+from dlrmkit.errors import InternalError
 
 # handler.embedding_dtype -> (torchrec table data type, the dtype torchrec's quantizer takes)
 DTYPES: dict[str, tuple[DataType, torch.dtype]] = {
@@ -103,14 +106,12 @@ def quant_ebc(tables: Sequence[EmbeddingBagConfig], device: torch.device, lazy: 
     (fx keeps them as leaves) and the split scale/bias state_dict that sharding loads.
     ``lazy``: leave the CPU weight buffer untouched; ``adopt_tables`` or ``copy_tables`` must
     fill it."""
-    from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEBC
-
     with _NoHostZeroFill() if lazy else contextlib.nullcontext():
         return QuantEBC(list(tables), is_weighted=False, device=torch.device(device), register_tbes=True,
                         quant_state_dict_split_scale_bias=True, cache_features_order=True)
 
 
-def fused_tables(qebc: torch.nn.Module, prefix: str = EBC) -> dict[str, torch.Tensor]:
+def fused_tables(qebc: QuantEBC, prefix: str = EBC) -> dict[str, torch.Tensor]:
     """Archive key -> the kernel's fused rows of that table (a view of its weight buffer)."""
     out = {}
     for tables, tbe in zip(qebc._key_to_tables.values(), qebc._emb_modules):
@@ -119,7 +120,7 @@ def fused_tables(qebc: torch.nn.Module, prefix: str = EBC) -> dict[str, torch.Te
     return out
 
 
-def adopt_tables(qebc: torch.nn.Module, state: Mapping[str, torch.Tensor], prefix: str = EBC) -> bool:
+def adopt_tables(qebc: QuantEBC, state: Mapping[str, torch.Tensor], prefix: str = EBC) -> bool:
     """Make the archived table storage the kernels' own weight buffer, without copying.
 
     Works when the archive holds each kernel's buffer as ``saved_state`` wrote it (the tables
@@ -151,7 +152,7 @@ def adopt_tables(qebc: torch.nn.Module, state: Mapping[str, torch.Tensor], prefi
     return True
 
 
-def copy_tables(qebc: torch.nn.Module, state: Mapping[str, torch.Tensor], prefix: str = EBC) -> None:
+def copy_tables(qebc: QuantEBC, state: Mapping[str, torch.Tensor], prefix: str = EBC) -> None:
     """Copy archived fused rows into the kernels' buffers (GPU, or a layout ``adopt_tables``
     cannot take). A source row may be narrower than the kernel's padded row."""
     with torch.no_grad():
@@ -160,13 +161,13 @@ def copy_tables(qebc: torch.nn.Module, state: Mapping[str, torch.Tensor], prefix
             dst[:, : src.shape[1]].copy_(src)
 
 
-def split_tables(qebc: torch.nn.Module, prefix: str = EBC) -> dict[str, torch.Tensor]:
+def split_tables(qebc: QuantEBC, prefix: str = EBC) -> dict[str, torch.Tensor]:
     """The tables in torchrec's split scale/bias state_dict format (views, no copy): what the
     sharded quantized EBC loads for int8/int4."""
     return {k: v for k, v in qebc.state_dict(prefix=prefix).items() if ".tbes." not in k}
 
 
-def _has_qparams(qebc: torch.nn.Module) -> bool:
+def _has_qparams(qebc: QuantEBC) -> bool:
     return all(t.data_type in (DataType.INT8, DataType.INT4) for t in qebc.embedding_bag_configs())
 
 
@@ -206,7 +207,7 @@ def shard(model: torch.nn.Module, devices: Sequence[torch.device]) -> tuple[torc
     from torchrec.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
     from torchrec.inference.modules import DEFAULT_FUSED_PARAMS
 
-    qebc = model.sparse_arch.embedding_bag_collection
+    qebc: QuantEBC = model.get_submodule("sparse_arch.embedding_bag_collection")
     # torchrec's default sharder stores split scale/bias, and fails for fp16/fp32 tables,
     # which have none (torchrec 1.8 quant_state.py reads the missing qparam's shape):
     # those are sharded with whole rows instead.
@@ -224,7 +225,7 @@ def shard(model: torch.nn.Module, devices: Sequence[torch.device]) -> tuple[torc
     result = sharded.load_state_dict(tables, strict=False)
     missing = [k for k in result.missing_keys if k.startswith(EBC) and ".tbes." not in k]
     if result.unexpected_keys or missing:
-        raise RuntimeError(f"the sharded tables did not take the weights: missing {missing[:3]}, "
+        raise InternalError(f"the sharded tables did not take the weights: missing {missing[:3]}, "
                            f"unexpected {result.unexpected_keys[:3]}")
     return sharded, plan
 
@@ -236,7 +237,7 @@ def sharded_placement(model: torch.nn.Module) -> dict[str, torch.device]:
         specs = getattr(m, "embedding_specs", None)
         if specs is not None and hasattr(m, "current_device"):
             for spec in specs:
-                out[spec[0]] = m.current_device
+                out[spec[0]] = cast(torch.device, m.current_device)  # torchrec's sharded kernel's device
     return out
 
 
