@@ -36,6 +36,7 @@ from typing import cast
 
 import torch
 from torch import nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dlrmkit.config import DENSE_PRECISIONS as PRECISIONS  # noqa: F401  (one list, validated there)
 from dlrmkit.cpus import available_cpus, forward_threads
@@ -171,8 +172,6 @@ def pad_kjt(kjt, rows: int, padded: int):
     """``kjt`` of ``rows`` rows with ``padded - rows`` empty rows after them (key-major lengths:
     a zero per feature per new row; no value added). F=2, 2 rows padded to 3:
     lengths [1, 2 | 0, 1] -> [1, 2, 0 | 0, 1, 0], values unchanged."""
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
     lengths = nn.functional.pad(kjt.lengths().view(-1, rows), (0, padded - rows)).reshape(-1)
     return KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=lengths, weights=kjt.weights_or_none())
 
@@ -249,6 +248,7 @@ def _int8(half: nn.Module, example: tuple, calibration: dict | None) -> nn.Modul
     # torchao: the maintained home of PT2E quantization (torch.ao.quantization is deprecated).
     # Its import warns once per CUDA kernel library a CPU host cannot load: not ours, and noise in every worker log.
     logging.getLogger("torchao").setLevel(logging.ERROR)
+    # Loaded lazily: only an int8 dense half needs torchao, and importing it takes over a second.
     import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 

@@ -17,7 +17,9 @@ Everything here is torchrec's own machinery, wired for serving:
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
+import warnings
 from typing import Any, Mapping, Sequence, cast
 
 import torch
@@ -27,9 +29,18 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
     rounded_row_size_in_bytes,
 )
 from torch.overrides import TorchFunctionMode
+from torch.serialization import _load, _open_zipfile_reader, _weights_only_unpickler
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.fused_params import FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS
+from torchrec.distributed.global_settings import set_propogate_device
+from torchrec.distributed.planner.types import ParameterConstraints
+from torchrec.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
+from torchrec.distributed.types import ShardingType
+from torchrec.inference.modules import DEFAULT_FUSED_PARAMS, quantize_inference_model, shard_quant_model
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 from torchrec.quant.embedding_modules import DEFAULT_ROW_ALIGNMENT
 from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEBC
+from torchrec.tensor_types import UInt4Tensor
 
 from dlrmkit.errors import InternalError
 
@@ -58,8 +69,6 @@ def table_bytes(rows: int, dim: int, dtype: str) -> int:
 
 def quantize(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
     """Swap the fp32 EBC for torchrec's quantized one, in place (``quantize_inference_model``)."""
-    from torchrec.inference.modules import quantize_inference_model
-
     return quantize_inference_model(model, quantization_dtype=DTYPES[dtype][1])
 
 
@@ -94,8 +103,6 @@ class _NoHostZeroFill(TorchFunctionMode):
 def _uncommitted(nbytes: int) -> torch.Tensor:
     """A uint8 buffer of ``nbytes`` that reserves no memory (MAP_NORESERVE): a placeholder that
     ``adopt_tables`` replaces before a page of it is touched."""
-    import mmap
-
     noreserve = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value; Python 3.11 does not name it
     placeholder = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | noreserve)
     return torch.frombuffer(placeholder, dtype=torch.uint8)
@@ -174,8 +181,6 @@ def _has_qparams(qebc: QuantEBC) -> bool:
 def _reregister(qebc, tables, tbe) -> None:
     """Point the ``embedding_bags.<table>.*`` buffers at the new weight buffer, so state_dict
     shows it and nothing keeps the old allocation alive."""
-    from torchrec.tensor_types import UInt4Tensor
-
     for cfg, (w, scale, bias) in zip(tables, tbe.split_embedding_weights_with_scale_bias(split_scale_bias_mode=2)):
         module = qebc.embedding_bags[cfg.name]
         module.register_buffer("weight", UInt4Tensor(w) if cfg.data_type == DataType.INT4 else w)
@@ -193,20 +198,10 @@ def shard(model: torch.nn.Module, devices: Sequence[torch.device]) -> tuple[torc
     split scale/bias format, as views of the unsharded model's (memory-mapped) buffer. On
     "cpu" devices in one process this is the same code path, which is how CI covers it.
     """
-    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-    from torchrec.distributed.global_settings import set_propogate_device
-    from torchrec.distributed.planner.types import ParameterConstraints
-    from torchrec.distributed.types import ShardingType
-    from torchrec.inference.modules import shard_quant_model
-
     kind = devices[0].type
     # torchrec's input dist moves ids to CUDA unless told to keep the input's device
     # (its own "BUG" comment in dist_data.py); needed for CPU "devices".
     set_propogate_device(True)
-    from torchrec.distributed.fused_params import FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS
-    from torchrec.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
-    from torchrec.inference.modules import DEFAULT_FUSED_PARAMS
-
     qebc: QuantEBC = model.get_submodule("sparse_arch.embedding_bag_collection")
     # torchrec's default sharder stores split scale/bias, and fails for fp16/fp32 tables,
     # which have none (torchrec 1.8 quant_state.py reads the missing qparam's shape):
@@ -275,11 +270,6 @@ def load_read_only(path: str | os.PathLike, random_access: bool = True) -> dict:
     ``random_access``: MADV_RANDOM, so a fault reads its page, not a read-ahead window of
     neighbours no lookup asked for (table rows are looked up at random).
     """
-    import mmap
-    import warnings
-
-    from torch.serialization import _load, _open_zipfile_reader, _weights_only_unpickler
-
     with open(path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     if random_access:

@@ -25,6 +25,7 @@ layer is rescaled on a probe batch whose rows are gathered while the tables stre
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import io
 import os
@@ -38,7 +39,12 @@ from typing import IO, Any, Callable, Iterator, cast
 
 import torch
 import torch.distributed.checkpoint as dcp  # torchrec imports it anyway: no cost to load it here
+from fbgemm_gpu.split_embedding_configs import SparseType
+from fbgemm_gpu.split_table_batched_embeddings_ops_inference import rounded_row_size_in_bytes
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torchrec.quant.embedding_modules import DEFAULT_ROW_ALIGNMENT
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dlrmkit.checkpoint import open_checkpoint, plan_import, say_ignored
 from dlrmkit.config import DLRMConfig
@@ -74,10 +80,6 @@ def layout(config: DLRMConfig) -> tuple[list[Slot], int]:
 
 
 def _row_bytes(config: DLRMConfig) -> int:
-    from fbgemm_gpu.split_embedding_configs import SparseType
-    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import rounded_row_size_in_bytes
-    from torchrec.quant.embedding_modules import DEFAULT_ROW_ALIGNMENT
-
     kind = {"fp32": SparseType.FP32, "fp16": SparseType.FP16, "int8": SparseType.INT8, "int4": SparseType.INT4}
     return rounded_row_size_in_bytes(config.embedding_dim, kind[config.embedding_dtype], DEFAULT_ROW_ALIGNMENT)
 
@@ -162,8 +164,6 @@ class RandomSource:
         model = DLRMFactory(small).build("cpu")
         model.load_state_dict({k: v for k, v in self.model.state_dict().items() if not k.startswith(EBC)},
                               strict=False)
-        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
         values = []
         feats = kjt.to_dict()
         with torch.no_grad():
@@ -341,7 +341,6 @@ def _tensor_in_pickle(data: bytes):
             if module == "torch" and name.endswith("Storage"):
                 return name  # the class's name: reading its .dtype warns that TypedStorage is deprecated
             if module == "collections" and name == "OrderedDict":
-                import collections
                 return collections.OrderedDict
             raise pickle.UnpicklingError(f"{module}.{name}")
 
@@ -389,8 +388,6 @@ def write_weights(path: str | Path, config: DLRMConfig, source, chunk_bytes: int
     """Write the weights file ``DLRMFactory(config).load`` reads, table by table from
     ``source`` (``RandomSource`` or ``CheckpointSource``), in ``config.embedding_dtype``,
     never holding more than ``chunk_bytes`` of fp32 rows. Returns what it measured."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     path = Path(path)
     slots, host = layout(config)
     dim, dtype = config.embedding_dim, config.embedding_dtype
