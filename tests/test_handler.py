@@ -110,10 +110,10 @@ def test_initialize_errors_say_what_to_fix(tmp_path, weights):
         TorchRecDLRMHandler().initialize(FakeContext(tmp_path, {**TINY, "embedding_dim": -1}))
 
 
-def test_handler_uses_cpu_without_cuda_even_with_a_gpu_id(tmp_path, weights):
+def test_handler_uses_cpu_without_cuda_even_with_a_gpu_id(tmp_path, archived):
     from dlrm_handler import TorchRecDLRMHandler
 
-    (tmp_path / "dlrm.pt").symlink_to(weights)
+    (tmp_path / "dlrm.pt").symlink_to(archived)
     h = TorchRecDLRMHandler()
     h.initialize(FakeContext(tmp_path, dict(TINY), gpu_id=0))
     want = "cuda:0" if torch.cuda.is_available() else "cpu"
@@ -186,7 +186,7 @@ def test_large_batches_are_scored_in_groups_with_the_same_scores(handler, monkey
         assert torch.allclose(torch.tensor(json.loads(a)["scores"]), torch.tensor(json.loads(b)["scores"]), atol=1e-5)
 
 
-def test_a_large_batch_runs_on_a_thread_per_cpu_and_a_small_one_on_the_workers(tmp_path, weights, monkeypatch):
+def test_a_large_batch_runs_on_a_thread_per_cpu_and_a_small_one_on_the_workers(tmp_path, archived, monkeypatch):
     """handler.large_batch_rows: the forward of a batch of that many rows or more gets a thread per
     CPU; the next small batch goes back to the worker's own threads; the scores are the same."""
     from dlrm_handler import TorchRecDLRMHandler
@@ -194,7 +194,7 @@ def test_a_large_batch_runs_on_a_thread_per_cpu_and_a_small_one_on_the_workers(t
     seen = []
     monkeypatch.setattr(torch, "set_num_threads", seen.append)  # the handler's calls, not the process's threads
     monkeypatch.setattr(torch, "get_num_threads", lambda: seen[-1] if seen else 1)
-    (tmp_path / "dlrm.pt").symlink_to(weights)
+    (tmp_path / "dlrm.pt").symlink_to(archived)
     h = TorchRecDLRMHandler()
     h.initialize(FakeContext(tmp_path, {**TINY, "large_batch_rows": 4}))
     h.cpus = 3  # as on a 3-CPU host, whatever this one has
@@ -213,7 +213,7 @@ def test_a_large_batch_runs_on_a_thread_per_cpu_and_a_small_one_on_the_workers(t
         TorchRecDLRMHandler().initialize(FakeContext(tmp_path, {**TINY, "large_batch_rows": -1}))
 
 
-def test_a_forward_of_more_than_split_rows_runs_as_parts_on_the_workers_threads(tmp_path, weights, monkeypatch,
+def test_a_forward_of_more_than_split_rows_runs_as_parts_on_the_workers_threads(tmp_path, archived, monkeypatch,
                                                                                 caplog):
     """handler.split_rows: with CPUs for more than one part (3 here, one torch thread each), a batch
     of more rows than that runs as parts at once on the handler's pool; a smaller one whole; the
@@ -224,7 +224,7 @@ def test_a_forward_of_more_than_split_rows_runs_as_parts_on_the_workers_threads(
     from dlrm_handler import TorchRecDLRMHandler
 
     monkeypatch.setattr(dlrm_handler, "available_cpus", lambda: 3)  # as on a 3-CPU host
-    (tmp_path / "dlrm.pt").symlink_to(weights)
+    (tmp_path / "dlrm.pt").symlink_to(archived)
     section = {**TINY, "split_rows": 2, "torch_threads": 1}
     h = TorchRecDLRMHandler()
     with caplog.at_level(logging.INFO, logger="dlrm_handler"):
