@@ -11,5 +11,6 @@ A request's way (docs/development.md draws it)::
     errors     the error types, each with its HTTP status
 
 and the model's side: config (DLRMConfig, validated), model (DLRMFactory), scale (quantized, mmap'd, sharded tables),
-checkpoint (trained checkpoints in), cpus (workers and threads per CPU).
+checkpoint (trained checkpoints in, built archives proven), accuracy (the AUC and the accuracy contract),
+cpus (workers and threads per CPU).
 """

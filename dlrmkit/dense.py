@@ -14,7 +14,7 @@
   training data, never the rows ``--verify`` judges), else dynamic ones computed per batch.
 
 Reduced precision ships under MLPerf's accuracy contract: served AUC >= 99.9% of the fp32 AUC,
-checked by ``build_mar.py --verify`` (``contract``). The compiled code is made on the serving CPU
+checked by ``build_mar.py --verify`` (``dlrmkit.accuracy.contract``). The compiled code is made on the serving CPU
 at worker start, never carried in the archive, so an archive built on an AMX machine serves on an
 AVX2 one; a CPU without the precision's instructions (or a worker that cannot compile) serves fp32
 and says so in the log (``unsupported``). Inductor keeps what it compiled in its cache
@@ -26,16 +26,20 @@ as Linear pairs of the same weights (``LinearCrossNet``) so that the quantizer s
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
 import warnings
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dlrmkit.config import DENSE_PRECISIONS as PRECISIONS  # noqa: F401  (one list, validated there)
+from dlrmkit.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +47,6 @@ CALIBRATION_FILE = "dense-calibration.pt"
 # Rows kept for calibration: the observers' min/max settle within a few hundred rows, and the
 # file stays small (DLRMv2: 512 x (13 + 26 x 128) floats = 6.8 MB).
 CALIBRATION_ROWS = 512
-# MLPerf's rule for dlrm-v2-99.9: served AUC >= 99.9% of the fp32 reference's.
-AUC_RATIO = 0.999
 # Instructions a precision needs to run natively: without them oneDNN emulates (bf16, many times
 # slower) or rounds differently (int8 on AVX2 without VNNI saturates its int16 sums).
 NEEDS = {
@@ -99,7 +101,8 @@ class LinearCrossNet(nn.Module):
         super().__init__()
         self.v = nn.ModuleList()
         self.w = nn.ModuleList()
-        for v, w, b in zip(crossnet.V_kernels, crossnet.W_kernels, crossnet.bias):
+        kernels = (cast(nn.ParameterList, getattr(crossnet, name)) for name in ("V_kernels", "W_kernels", "bias"))
+        for v, w, b in zip(*kernels):
             lv = nn.Linear(v.shape[1], v.shape[0], bias=False)
             lw = nn.Linear(w.shape[1], w.shape[0])
             lv.weight, lw.weight, lw.bias = nn.Parameter(v.detach()), nn.Parameter(w.detach()), nn.Parameter(b.detach())
@@ -119,11 +122,11 @@ class DenseHalf(nn.Module):
 
     def __init__(self, model: nn.Module):
         super().__init__()
-        self.dense_arch, self.inter_arch, self.over_arch = model.dense_arch, model.inter_arch, model.over_arch
+        # torchrec's DenseArch, InteractionArch (or its DCN / projection kind) and OverArch
+        self.dense_arch, self.inter_arch, self.over_arch = (
+            cast(nn.Module, getattr(model, name)) for name in ("dense_arch", "inter_arch", "over_arch"))
         crossnet = getattr(self.inter_arch, "crossnet", None)
         if crossnet is not None and hasattr(crossnet, "V_kernels"):
-            import copy
-
             # A shallow copy with its own child table: the model's module keeps torchrec's crossnet.
             self.inter_arch = copy.copy(self.inter_arch)
             self.inter_arch._modules = dict(self.inter_arch._modules)
@@ -168,8 +171,6 @@ def pad_kjt(kjt, rows: int, padded: int):
     """``kjt`` of ``rows`` rows with ``padded - rows`` empty rows after them (key-major lengths:
     a zero per feature per new row; no value added). F=2, 2 rows padded to 3:
     lengths [1, 2 | 0, 1] -> [1, 2, 0 | 0, 1, 0], values unchanged."""
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
     lengths = nn.functional.pad(kjt.lengths().view(-1, rows), (0, padded - rows)).reshape(-1)
     return KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=lengths, weights=kjt.weights_or_none())
 
@@ -184,7 +185,8 @@ class ServedDLRM(nn.Module):
 
     def __init__(self, model: nn.Module, dense: nn.Module, precision: str):
         super().__init__()
-        self.sparse_arch, self.dense, self.precision = model.sparse_arch, dense, precision
+        self.sparse_arch = cast(nn.Module, model.sparse_arch)  # torchrec's SparseArch: kjt -> pooled [B, F, D]
+        self.dense, self.precision = dense, precision
 
     def forward(self, dense_features: torch.Tensor, sparse_features) -> torch.Tensor:
         rows = dense_features.shape[0]
@@ -214,15 +216,16 @@ def calibration_inputs(model: nn.Module, batches) -> dict[str, torch.Tensor]:
     """The dense half's inputs for ``batches`` of (dense, kjt) through ``model``'s fp32 sparse
     arch, at most CALIBRATION_ROWS rows: what ``build_mar.py --calibrate`` puts in the archive."""
     dense, pooled, rows = [], [], 0
+    sparse_arch = cast(nn.Module, model.sparse_arch)
     with torch.inference_mode():
         for d, kjt in batches:
             dense.append(d)
-            pooled.append(model.sparse_arch(kjt))
+            pooled.append(sparse_arch(kjt))
             rows += d.shape[0]
             if rows >= CALIBRATION_ROWS:
                 break
     if not dense:
-        raise ValueError("no calibration rows")
+        raise ConfigError("no calibration rows")
     return {
         "dense": torch.cat(dense)[:CALIBRATION_ROWS].contiguous(),
         "pooled": torch.cat(pooled)[:CALIBRATION_ROWS].contiguous(),
@@ -244,6 +247,7 @@ def _int8(half: nn.Module, example: tuple, calibration: dict | None) -> nn.Modul
     # torchao: the maintained home of PT2E quantization (torch.ao.quantization is deprecated).
     # Its import warns once per CUDA kernel library a CPU host cannot load: not ours, and noise in every worker log.
     logging.getLogger("torchao").setLevel(logging.ERROR)
+    # Loaded lazily: only an int8 dense half needs torchao, and importing it takes over a second.
     import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
@@ -347,24 +351,6 @@ def read_calibration(model_dir: str | Path) -> dict | None:
         return None
     data = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(data, dict) or not {"dense", "pooled"} <= set(data):
-        raise ValueError(f"{path}: expected a dict with dense and pooled tensors")
+        raise ConfigError(f"{path}: expected a dict with dense and pooled tensors")
     return data
 
-
-def contract(served: list[float], reference: list[float], labels: list[int], ratio: float = AUC_RATIO) -> dict:
-    """MLPerf's accuracy rule for one precision: AUC of ``served`` vs AUC of the fp32
-    ``reference`` scores on the same rows, with the max and p99 |delta probability|."""
-    from dlrmkit.checkpoint import auc
-
-    s, r = torch.tensor(served, dtype=torch.float64), torch.tensor(reference, dtype=torch.float64)
-    delta = (s - r).abs()
-    a_served, a_ref = auc(served, labels), auc(reference, labels)
-    return {
-        "auc": a_served,
-        "auc_fp32": a_ref,
-        "auc_ratio": a_served / a_ref if a_ref else float("nan"),
-        "max_dp": float(delta.max()),
-        "p99_dp": float(torch.quantile(delta, 0.99)),
-        "holds": a_served >= ratio * a_ref,
-        "rows": len(served),
-    }

@@ -44,3 +44,9 @@ class ConfigError(ValueError):
     The message names the key and shows a valid value, e.g.
     ``handler.embedding_dim: expected a positive integer, got 0 (e.g. embedding_dim: 8)``.
     """
+
+
+class InternalError(RuntimeError):
+    """A step of the kit broke its own rule (a source read out of order, a kernel laid out other
+    than planned, sharded tables that did not take their weights): a bug to report with the
+    message, never a config to change."""

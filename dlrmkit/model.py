@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import cast
 
 import torch
 from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRM_Projection
@@ -17,7 +18,18 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dlrmkit.config import DLRMConfig
 from dlrmkit.errors import ConfigError
-from dlrmkit.scale import DTYPES, EBC, adopt_tables, copy_tables, fused_tables, quant_ebc, quantize, saved_state, shard
+from dlrmkit.scale import (
+    DTYPES,
+    EBC,
+    adopt_tables,
+    copy_tables,
+    fused_tables,
+    load_read_only,
+    quant_ebc,
+    quantize,
+    saved_state,
+    shard,
+)
 
 _EBC_PREFIX = EBC + "embedding_bags."
 logger = logging.getLogger(__name__)
@@ -148,28 +160,18 @@ class DLRMFactory:
         it is, so nothing is allocated twice and on CPU the tables stay file-backed pages that
         workers of the same model share. Several devices: the tables are sharded table-wise
         across them (``dlrmkit.scale.shard``), the dense part runs on the first.
-
-        An fp32 archive from before the fused kernel (``nn.EmbeddingBag`` tables) still loads,
-        into a private copy per worker; a warning says to rebuild it to share the pages again.
         """
         devices = [torch.device(d) for d in (device if isinstance(device, (list, tuple)) else [device])]
         dtype, sharded = self.config.embedding_dtype, len(devices) > 1
-        state = _read(weights)
-        unfused = dtype == "fp32" and _has_unfused_tables(state)
-        if unfused:
-            logger.warning("%s: fp32 tables archived as nn.EmbeddingBag weights (built before the fused kernel): "
-                           "each worker copies them instead of sharing the archive's pages; rebuild the archive "
-                           "with scripts/build_mar.py", weights)
-            state = self._load_fp32(state).state_dict()  # checked against the config
-            state = {**state, **_as_rows(state)}
+        # a dict of tensors: check_state_dict proves it before anything is taken from it
+        state = cast(dict[str, torch.Tensor], _read(weights))
         home = torch.device("cpu") if sharded else devices[0]
         model = self.build("cpu", tables_on_meta=True)
         # On CPU the kernels take the archive's buffer as theirs: no zero-filled copy first.
         qebc = quant_ebc(self.tables(dtype), home, lazy=home.type == "cpu")
         model.sparse_arch.embedding_bag_collection = qebc
         dense = {k: v for k, v in model.state_dict().items() if not k.startswith(EBC)}
-        if not unfused:
-            self.check_state_dict(state, model, {**dense, **fused_tables(qebc)})
+        self.check_state_dict(state, model, {**dense, **fused_tables(qebc)})
         model.load_state_dict({k: v for k, v in state.items() if not k.startswith(EBC)}, strict=False, assign=True)
         for part in (model.dense_arch, model.inter_arch, model.over_arch):
             part.to(devices[0])
@@ -220,13 +222,10 @@ class DLRMFactory:
     def load_fp32(self, state: dict[str, torch.Tensor]) -> DLRM:
         """A trained fp32 state_dict (``--checkpoint``, via dlrmkit.checkpoint), whatever
         ``embedding_dtype`` says, on CPU; its tensors become the model's (no copy)."""
-        return self._load_fp32(state).eval()
-
-    def _load_fp32(self, state: object) -> DLRM:
         model = self.build("cpu", tables_on_meta=True)
         self.check_state_dict(state, model)
         model.load_state_dict(state, assign=True)
-        return model
+        return model.eval()
 
     def check_state_dict(self, state: object, model: torch.nn.Module, expected: dict | None = None) -> None:
         """Raise ConfigError naming the first table or layer whose name, shape or dtype does not
@@ -277,16 +276,9 @@ def _read(weights: str | Path) -> object:
             raise ConfigError(f"{path}: not a torch state_dict file ({type(e).__name__}: {e})") from None
         # larger than the commit limit allows for a copy-on-write mapping: map it read-only
         logger.info("%s: %.1f GiB, mapped read-only (tables larger than memory)", path, path.stat().st_size / 2**30)
-        from dlrmkit.scale import load_read_only
-
         return load_read_only(path)
     except Exception as e:  # torch raises several types for a corrupt or foreign file
         raise ConfigError(f"{path}: not a torch state_dict file ({type(e).__name__}: {e})") from None
-
-
-def _has_unfused_tables(state: object) -> bool:
-    return isinstance(state, dict) and any(
-        k.startswith(_EBC_PREFIX) and isinstance(v, torch.Tensor) and v.dtype == torch.float32 for k, v in state.items())
 
 
 def _as_rows(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -17,8 +17,10 @@ Everything here is torchrec's own machinery, wired for serving:
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
-from typing import Any, Mapping, Sequence
+import warnings
+from typing import Any, Mapping, Sequence, cast
 
 import torch
 from fbgemm_gpu.split_embedding_configs import SparseType
@@ -27,8 +29,20 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
     rounded_row_size_in_bytes,
 )
 from torch.overrides import TorchFunctionMode
+from torch.serialization import _load, _open_zipfile_reader, _weights_only_unpickler
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.fused_params import FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS
+from torchrec.distributed.global_settings import set_propogate_device
+from torchrec.distributed.planner.types import ParameterConstraints
+from torchrec.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
+from torchrec.distributed.types import ShardingType
+from torchrec.inference.modules import DEFAULT_FUSED_PARAMS, quantize_inference_model, shard_quant_model
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 from torchrec.quant.embedding_modules import DEFAULT_ROW_ALIGNMENT
+from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEBC
+from torchrec.tensor_types import UInt4Tensor
+
+from dlrmkit.errors import InternalError
 
 # handler.embedding_dtype -> (torchrec table data type, the dtype torchrec's quantizer takes)
 DTYPES: dict[str, tuple[DataType, torch.dtype]] = {
@@ -55,8 +69,6 @@ def table_bytes(rows: int, dim: int, dtype: str) -> int:
 
 def quantize(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
     """Swap the fp32 EBC for torchrec's quantized one, in place (``quantize_inference_model``)."""
-    from torchrec.inference.modules import quantize_inference_model
-
     return quantize_inference_model(model, quantization_dtype=DTYPES[dtype][1])
 
 
@@ -91,8 +103,6 @@ class _NoHostZeroFill(TorchFunctionMode):
 def _uncommitted(nbytes: int) -> torch.Tensor:
     """A uint8 buffer of ``nbytes`` that reserves no memory (MAP_NORESERVE): a placeholder that
     ``adopt_tables`` replaces before a page of it is touched."""
-    import mmap
-
     noreserve = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value; Python 3.11 does not name it
     placeholder = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | noreserve)
     return torch.frombuffer(placeholder, dtype=torch.uint8)
@@ -103,14 +113,12 @@ def quant_ebc(tables: Sequence[EmbeddingBagConfig], device: torch.device, lazy: 
     (fx keeps them as leaves) and the split scale/bias state_dict that sharding loads.
     ``lazy``: leave the CPU weight buffer untouched; ``adopt_tables`` or ``copy_tables`` must
     fill it."""
-    from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEBC
-
     with _NoHostZeroFill() if lazy else contextlib.nullcontext():
         return QuantEBC(list(tables), is_weighted=False, device=torch.device(device), register_tbes=True,
                         quant_state_dict_split_scale_bias=True, cache_features_order=True)
 
 
-def fused_tables(qebc: torch.nn.Module, prefix: str = EBC) -> dict[str, torch.Tensor]:
+def fused_tables(qebc: QuantEBC, prefix: str = EBC) -> dict[str, torch.Tensor]:
     """Archive key -> the kernel's fused rows of that table (a view of its weight buffer)."""
     out = {}
     for tables, tbe in zip(qebc._key_to_tables.values(), qebc._emb_modules):
@@ -119,7 +127,7 @@ def fused_tables(qebc: torch.nn.Module, prefix: str = EBC) -> dict[str, torch.Te
     return out
 
 
-def adopt_tables(qebc: torch.nn.Module, state: Mapping[str, torch.Tensor], prefix: str = EBC) -> bool:
+def adopt_tables(qebc: QuantEBC, state: Mapping[str, torch.Tensor], prefix: str = EBC) -> bool:
     """Make the archived table storage the kernels' own weight buffer, without copying.
 
     Works when the archive holds each kernel's buffer as ``saved_state`` wrote it (the tables
@@ -151,7 +159,7 @@ def adopt_tables(qebc: torch.nn.Module, state: Mapping[str, torch.Tensor], prefi
     return True
 
 
-def copy_tables(qebc: torch.nn.Module, state: Mapping[str, torch.Tensor], prefix: str = EBC) -> None:
+def copy_tables(qebc: QuantEBC, state: Mapping[str, torch.Tensor], prefix: str = EBC) -> None:
     """Copy archived fused rows into the kernels' buffers (GPU, or a layout ``adopt_tables``
     cannot take). A source row may be narrower than the kernel's padded row."""
     with torch.no_grad():
@@ -160,21 +168,19 @@ def copy_tables(qebc: torch.nn.Module, state: Mapping[str, torch.Tensor], prefix
             dst[:, : src.shape[1]].copy_(src)
 
 
-def split_tables(qebc: torch.nn.Module, prefix: str = EBC) -> dict[str, torch.Tensor]:
+def split_tables(qebc: QuantEBC, prefix: str = EBC) -> dict[str, torch.Tensor]:
     """The tables in torchrec's split scale/bias state_dict format (views, no copy): what the
     sharded quantized EBC loads for int8/int4."""
     return {k: v for k, v in qebc.state_dict(prefix=prefix).items() if ".tbes." not in k}
 
 
-def _has_qparams(qebc: torch.nn.Module) -> bool:
+def _has_qparams(qebc: QuantEBC) -> bool:
     return all(t.data_type in (DataType.INT8, DataType.INT4) for t in qebc.embedding_bag_configs())
 
 
 def _reregister(qebc, tables, tbe) -> None:
     """Point the ``embedding_bags.<table>.*`` buffers at the new weight buffer, so state_dict
     shows it and nothing keeps the old allocation alive."""
-    from torchrec.tensor_types import UInt4Tensor
-
     for cfg, (w, scale, bias) in zip(tables, tbe.split_embedding_weights_with_scale_bias(split_scale_bias_mode=2)):
         module = qebc.embedding_bags[cfg.name]
         module.register_buffer("weight", UInt4Tensor(w) if cfg.data_type == DataType.INT4 else w)
@@ -192,21 +198,11 @@ def shard(model: torch.nn.Module, devices: Sequence[torch.device]) -> tuple[torc
     split scale/bias format, as views of the unsharded model's (memory-mapped) buffer. On
     "cpu" devices in one process this is the same code path, which is how CI covers it.
     """
-    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-    from torchrec.distributed.global_settings import set_propogate_device
-    from torchrec.distributed.planner.types import ParameterConstraints
-    from torchrec.distributed.types import ShardingType
-    from torchrec.inference.modules import shard_quant_model
-
     kind = devices[0].type
     # torchrec's input dist moves ids to CUDA unless told to keep the input's device
     # (its own "BUG" comment in dist_data.py); needed for CPU "devices".
     set_propogate_device(True)
-    from torchrec.distributed.fused_params import FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS
-    from torchrec.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
-    from torchrec.inference.modules import DEFAULT_FUSED_PARAMS
-
-    qebc = model.sparse_arch.embedding_bag_collection
+    qebc: QuantEBC = model.get_submodule("sparse_arch.embedding_bag_collection")
     # torchrec's default sharder stores split scale/bias, and fails for fp16/fp32 tables,
     # which have none (torchrec 1.8 quant_state.py reads the missing qparam's shape):
     # those are sharded with whole rows instead.
@@ -224,7 +220,7 @@ def shard(model: torch.nn.Module, devices: Sequence[torch.device]) -> tuple[torc
     result = sharded.load_state_dict(tables, strict=False)
     missing = [k for k in result.missing_keys if k.startswith(EBC) and ".tbes." not in k]
     if result.unexpected_keys or missing:
-        raise RuntimeError(f"the sharded tables did not take the weights: missing {missing[:3]}, "
+        raise InternalError(f"the sharded tables did not take the weights: missing {missing[:3]}, "
                            f"unexpected {result.unexpected_keys[:3]}")
     return sharded, plan
 
@@ -236,7 +232,7 @@ def sharded_placement(model: torch.nn.Module) -> dict[str, torch.device]:
         specs = getattr(m, "embedding_specs", None)
         if specs is not None and hasattr(m, "current_device"):
             for spec in specs:
-                out[spec[0]] = m.current_device
+                out[spec[0]] = cast(torch.device, m.current_device)  # torchrec's sharded kernel's device
     return out
 
 
@@ -274,11 +270,6 @@ def load_read_only(path: str | os.PathLike, random_access: bool = True) -> dict:
     ``random_access``: MADV_RANDOM, so a fault reads its page, not a read-ahead window of
     neighbours no lookup asked for (table rows are looked up at random).
     """
-    import mmap
-    import warnings
-
-    from torch.serialization import _load, _open_zipfile_reader, _weights_only_unpickler
-
     with open(path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     if random_access:

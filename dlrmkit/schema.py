@@ -33,16 +33,18 @@ _Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 _Key = Annotated[str, msgspec.Meta(max_length=MAX_KEY_CHARS)]
 
 
-def _schema(Float: Any, Count: Any, Keys: Any, Bags: Any, Lengths: Any = None) -> type:
+# The structs are made at run time (msgspec.defstruct), so they are typed Any where they stand in
+# a type expression such as list[instance]: a static checker cannot know a class made by a call.
+def _schema(Float: Any, Count: Any, Keys: Any, Bags: Any, Lengths: Any = None) -> type[msgspec.Struct]:
     """The request type: a row's fields, plus ``instances``, ``context`` + ``candidates``, or
     ``columns`` (with or without ``context``)."""
 
-    def struct(name, fields, bases=()):
+    def struct(name: str, fields: list, bases: tuple = ()) -> Any:
         return msgspec.defstruct(name, fields, bases=bases, forbid_unknown_fields=True)
 
     sparse = struct("Sparse", [("keys", Keys), ("values", list[Count]), ("lengths", Lengths or list[Count])])
     columns = struct("Columns", [("dense", list[list[Float]] | None, None), ("sparse", Bags | None, None)])
-    instance = struct(
+    instance: Any = struct(
         "Instance",
         [
             ("dense", list[Float] | None, None),
@@ -64,14 +66,15 @@ def _schema(Float: Any, Count: Any, Keys: Any, Bags: Any, Lengths: Any = None) -
     )
 
 
-def _bag(Count: Any) -> type:
+def _bag(Count: Any) -> Any:
     """One feature's column: ``lengths`` (one per row; left out: one id per row) and ``values``."""
     return msgspec.defstruct(
         "Bag", [("values", list[Count]), ("lengths", list[Count] | None, None)], forbid_unknown_fields=True
     )
 
 
-_Bag = _bag(_Count)
+_Bag: Any = _bag(_Count)
+_FastBag: Any = _bag(int)  # FAST_DECODER's
 _Request = _schema(_Float32, _Count, list[_Key], dict[_Key, _Bag])
 _DECODER: msgspec.json.Decoder[Any] = msgspec.json.Decoder(_Request)
 # The hot path's schema: the same fields without the bounds (the parser checks ranges on the
@@ -81,7 +84,7 @@ _DECODER: msgspec.json.Decoder[Any] = msgspec.json.Decoder(_Request)
 # request that any check refuses is parsed again with the strict schema, so every message is
 # the strict one.
 FAST_DECODER: msgspec.json.Decoder[Any] = msgspec.json.Decoder(
-    _schema(float, int, msgspec.Raw, dict[str, _bag(int)], msgspec.Raw)
+    _schema(float, int, msgspec.Raw, dict[str, _FastBag], msgspec.Raw)
 )
 _COUNTS = msgspec.json.Decoder(list[int])
 FAST_MIN_BYTES = 4096

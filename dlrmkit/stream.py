@@ -25,6 +25,7 @@ layer is rescaled on a probe batch whose rows are gathered while the tables stre
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import io
 import os
@@ -34,12 +35,21 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import IO, Any, Callable, Iterator, cast
 
 import torch
+import torch.distributed.checkpoint as dcp  # torchrec imports it anyway: no cost to load it here
+from fbgemm_gpu.split_embedding_configs import SparseType
+from fbgemm_gpu.split_table_batched_embeddings_ops_inference import rounded_row_size_in_bytes
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torchrec.quant.embedding_modules import DEFAULT_ROW_ALIGNMENT
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from dlrmkit.checkpoint import open_checkpoint, plan_import, say_ignored
 from dlrmkit.config import DLRMConfig
-from dlrmkit.errors import ConfigError
+from dlrmkit.errors import ConfigError, InternalError
+from dlrmkit.model import DLRMFactory
 from dlrmkit.scale import EBC, table_bytes
 
 TABLES = EBC + "embedding_bags."
@@ -70,10 +80,6 @@ def layout(config: DLRMConfig) -> tuple[list[Slot], int]:
 
 
 def _row_bytes(config: DLRMConfig) -> int:
-    from fbgemm_gpu.split_embedding_configs import SparseType
-    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import rounded_row_size_in_bytes
-    from torchrec.quant.embedding_modules import DEFAULT_ROW_ALIGNMENT
-
     kind = {"fp32": SparseType.FP32, "fp16": SparseType.FP16, "int8": SparseType.INT8, "int4": SparseType.INT4}
     return rounded_row_size_in_bytes(config.embedding_dim, kind[config.embedding_dtype], DEFAULT_ROW_ALIGNMENT)
 
@@ -102,7 +108,7 @@ def quantize_rows(rows: torch.Tensor, dtype: str) -> torch.Tensor:
     holder.ebc = EmbeddingBagCollection(
         tables=[EmbeddingBagConfig(name="t", embedding_dim=dim, num_embeddings=n, feature_names=["t"])],
         device=torch.device("meta"))
-    holder.ebc.embedding_bags["t"].weight = torch.nn.Parameter(rows, requires_grad=False)
+    cast(Any, holder.ebc).embedding_bags["t"].weight = torch.nn.Parameter(rows, requires_grad=False)
     quantized = quantize(holder, dtype)
     return fused_tables(quantized.ebc, prefix="ebc.")["ebc.embedding_bags.t.weight"]
 
@@ -116,8 +122,6 @@ class RandomSource:
     ``DLRMFactory.random`` draws them, the last one rescaled on a probe batch (``finish``)."""
 
     def __init__(self, config: DLRMConfig, seed: int | None = None):
-        from dlrmkit.model import DLRMFactory
-
         self.config, self.seed = config, config.seed if seed is None else seed
         self.factory = DLRMFactory(dataclasses.replace(config, embedding_dtype="fp32"))
         gen = torch.Generator().manual_seed(self.seed)
@@ -141,7 +145,7 @@ class RandomSource:
         name = self.config.sparse_features[table]
         gen, at = self._gens.get(name) or (torch.Generator().manual_seed(self.seed * 1_000_003 + table + 1), 0)
         if at != start:
-            raise RuntimeError(f"table {name}: rows must be drawn in order (at {at}, asked for {start})")
+            raise InternalError(f"table {name}: rows must be drawn in order (at {at}, asked for {start})")
         out = torch.empty(n, self.config.embedding_dim).uniform_(-1.0, 1.0, generator=gen)
         self._gens[name] = (gen, start + n)
         want = self._wanted[name]
@@ -157,13 +161,9 @@ class RandomSource:
         # the probe scored by the fp32 model over only the rows it reads (ids renumbered)
         small = dataclasses.replace(c, num_embeddings=tuple(max(1, len(w)) for w in self._wanted.values()),
                                     embedding_dtype="fp32")
-        from dlrmkit.model import DLRMFactory
-
         model = DLRMFactory(small).build("cpu")
         model.load_state_dict({k: v for k, v in self.model.state_dict().items() if not k.startswith(EBC)},
                               strict=False)
-        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
         values = []
         feats = kjt.to_dict()
         with torch.no_grad():
@@ -191,19 +191,15 @@ class CheckpointSource:
 
     def __init__(self, path: str | Path, config: DLRMConfig, feature_order: list[str] | None = None,
                  log: Callable[[str], None] = print):
-        from dlrmkit.checkpoint import _say_ignored, open_checkpoint, plan_import
-
         self.config, self.log = config, log
         self.ckpt = open_checkpoint(path)
-        _say_ignored(self.ckpt, log)
+        say_ignored(self.ckpt, log)
         self.keys = plan_import(self.ckpt, config, feature_order)
         self._dcp = self.ckpt.kind.startswith("DCP")
         self._shards: dict[str, list] = {}
         self._whole: dict[str, torch.Tensor] = {}
         if self._dcp:
-            from torch.distributed.checkpoint import FileSystemReader
-
-            self._meta = FileSystemReader(str(self.ckpt.path)).read_metadata()
+            self._meta = dcp.FileSystemReader(str(self.ckpt.path)).read_metadata()
 
     def describe(self) -> str:
         return f"{self.ckpt.kind} {self.ckpt.path}"
@@ -217,9 +213,9 @@ class CheckpointSource:
         key = self.keys[f"{TABLES}{name}.weight"]
         if not self._dcp:
             # a state_dict file is memory-mapped: a slice reads only its pages
-            return self.ckpt._source[key][start:start + n].to(torch.float32)
+            return cast(torch.Tensor, self.ckpt.sources[key])[start:start + n].to(torch.float32)
         out = torch.empty(n, self.config.embedding_dim, dtype=torch.float32)
-        for row0, rows, read in self._dcp_shards(self.ckpt._source[key]):
+        for row0, rows, read in self._dcp_shards(cast(str, self.ckpt.sources[key])):
             lo, hi = max(start, row0), min(start + n, row0 + rows)
             if lo < hi:
                 read(lo - row0, out[lo - start:hi - start])
@@ -237,7 +233,7 @@ class CheckpointSource:
                                   "tables stream (build it with scripts/build_mar.py --checkpoint)")
             path = self.ckpt.path / info.relative_path
             stored = None if info.transform_descriptors else _stored_rows(path, info.offset, info.length)
-            chunk = next(c for c in self._meta.state_dict_metadata[fqn].chunks
+            chunk = next(c for c in self._tensor_meta(fqn).chunks
                          if tuple(c.offsets) == tuple(index.offset))
             rows = int(chunk.sizes[0])
             if stored is None:
@@ -247,13 +243,15 @@ class CheckpointSource:
         self._shards[fqn] = shards
         return shards
 
+    def _tensor_meta(self, fqn: str) -> TensorStorageMetadata:
+        # a table's key: plan_import took only tensors (DCP's bytes entries are ignored)
+        return cast(TensorStorageMetadata, self._meta.state_dict_metadata[fqn])
+
     def _whole_shard(self, fqn, index, rows):
         def read(first: int, dst: torch.Tensor) -> None:
             if fqn not in self._whole:
                 self.log(f"[stream] {fqn}: a DCP shard stored with a transform is read whole through DCP")
-                import torch.distributed.checkpoint as dcp
-
-                full = torch.empty(self._meta.state_dict_metadata[fqn].size, dtype=torch.float32)
+                full = torch.empty(self._tensor_meta(fqn).size, dtype=torch.float32)
                 dcp.load({fqn: full}, storage_reader=dcp.FileSystemReader(str(self.ckpt.path)), no_dist=True)
                 self._whole = {fqn: full}
             dst.copy_(self._whole[fqn][int(index.offset[0]) + first:][: dst.shape[0]])
@@ -268,7 +266,7 @@ def _stored_rows(path: Path, offset: int, length: int):
         f.seek(offset)
         blob = _Window(f, offset, length)
         try:
-            reader = torch._C.PyTorchFileReader(blob)
+            reader = torch._C.PyTorchFileReader(cast(IO[bytes], blob))  # a file-like window, as it reads one
             found = _tensor_in_pickle(reader.get_record("data.pkl"))
         except Exception:
             return None
@@ -277,13 +275,18 @@ def _stored_rows(path: Path, offset: int, length: int):
         key, dtype, storage_offset, size, stride = found
         if dtype != torch.float32 or len(size) != 2 or tuple(stride) != (size[1], 1):
             return None
-        data = reader.get_record_offset(f"data/{key}")
+        data = _record_offset(reader, f"data/{key}")
     return offset + data + storage_offset * 4, size[1] * 4
+
+
+def _record_offset(reader: torch._C.PyTorchFileReader, name: str) -> int:
+    """Where record ``name`` of a torch.save file starts in it."""
+    return reader.get_record_offset(name)  # type: ignore[attr-defined]  # torch._C has it; its stubs do not
 
 
 def _pread_rows(path: Path, first_byte: int, row_bytes: int):
     def read(first: int, dst: torch.Tensor) -> None:
-        view = memoryview(dst.numpy()).cast("B")
+        view = dst.numpy().data.cast("B")
         with open(path, "rb", buffering=0) as f:
             got = os.preadv(f.fileno(), [view], first_byte + first * row_bytes)
         if got != len(view):
@@ -338,7 +341,6 @@ def _tensor_in_pickle(data: bytes):
             if module == "torch" and name.endswith("Storage"):
                 return name  # the class's name: reading its .dtype warns that TypedStorage is deprecated
             if module == "collections" and name == "OrderedDict":
-                import collections
                 return collections.OrderedDict
             raise pickle.UnpicklingError(f"{module}.{name}")
 
@@ -354,8 +356,6 @@ def _tensor_in_pickle(data: bytes):
 
 def file_bytes(config: DLRMConfig) -> int:
     """About what the weights file takes on disk: the tables' buffer plus the dense layers."""
-    from dlrmkit.model import DLRMFactory
-
     dense = sum(p.numel() * 4 for k, p in DLRMFactory(config).build("cpu", tables_on_meta=True).state_dict().items()
                 if not k.startswith(EBC))
     return layout(config)[1] + dense + (1 << 20)
@@ -388,8 +388,6 @@ def write_weights(path: str | Path, config: DLRMConfig, source, chunk_bytes: int
     """Write the weights file ``DLRMFactory(config).load`` reads, table by table from
     ``source`` (``RandomSource`` or ``CheckpointSource``), in ``config.embedding_dtype``,
     never holding more than ``chunk_bytes`` of fp32 rows. Returns what it measured."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     path = Path(path)
     slots, host = layout(config)
     dim, dtype = config.embedding_dim, config.embedding_dtype
@@ -403,8 +401,6 @@ def write_weights(path: str | Path, config: DLRMConfig, source, chunk_bytes: int
         views = {f"{TABLES}{s.name}.weight": buf.as_strided((s.rows, s.row_bytes), (s.row_bytes, 1), s.offset)
                  for s in slots}
     # The dense layers' shapes first (their values come from the source after the tables).
-    from dlrmkit.model import DLRMFactory
-
     skeleton = DLRMFactory(config).build("cpu", tables_on_meta=True).state_dict()
     dense_keys = [k for k in skeleton if not k.startswith(EBC)]
     state = {**views, **{k: torch.empty_like(skeleton[k], device="cpu") for k in dense_keys}}
@@ -412,8 +408,8 @@ def write_weights(path: str | Path, config: DLRMConfig, source, chunk_bytes: int
         torch.save(state, tmp)
     reader = torch._C.PyTorchFileReader(str(tmp))
     # storages are numbered in the order the pickler first meets them: the table buffer, then each dense tensor
-    base = reader.get_record_offset("data/0")
-    dense_at = {k: reader.get_record_offset(f"data/{i + 1}") for i, k in enumerate(dense_keys)}
+    base = _record_offset(reader, "data/0")
+    dense_at = {k: _record_offset(reader, f"data/{i + 1}") for i, k in enumerate(dense_keys)}
     del reader
     total_rows, done_rows, last = sum(s.rows for s in slots), 0, time.perf_counter()
     chunk_rows = max(1, chunk_bytes // (dim * 4))
@@ -425,7 +421,7 @@ def write_weights(path: str | Path, config: DLRMConfig, source, chunk_bytes: int
                 n = min(chunk_rows, s.rows - start)
                 fused = quantize_rows(source.rows(t, start, n), dtype)
                 if fused.shape != (n, s.row_bytes):
-                    raise RuntimeError(f"table {s.name}: quantized rows {tuple(fused.shape)}, layout {n} x {s.row_bytes}")
+                    raise InternalError(f"table {s.name}: quantized rows {tuple(fused.shape)}, layout {n} x {s.row_bytes}")
                 _pwrite(fd, fused, base + s.offset + start * s.row_bytes)
                 done_rows += n
                 now = time.perf_counter()
@@ -460,7 +456,7 @@ def write_weights(path: str | Path, config: DLRMConfig, source, chunk_bytes: int
 
 
 def _pwrite(fd: int, t: torch.Tensor, at: int) -> None:
-    view = memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())
+    view = t.contiguous().view(torch.uint8).reshape(-1).numpy().data
     while len(view):
         n = os.pwrite(fd, view, at)
         view, at = view[n:], at + n

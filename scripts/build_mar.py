@@ -16,7 +16,7 @@ tsv_to_npys did (2 - the file's minimum dense value, per file), then writes --co
 
 --checkpoint takes a .pt/.pth state_dict (or a dict holding one under model / model_state_dict /
 state_dict) or a torch.distributed.checkpoint directory, from DLRMTrain / DistributedModelParallel
-(dlrmkit/checkpoint.py). The weights are checked against the config before anything is archived: a
+(dlrmkit/checkpoint/). The weights are checked against the config before anything is archived: a
 key or table whose name or shape does not fit is an error that names it, and so is a feature order
 the checkpoint contradicts. A DCP directory does not record the trainer's table order: unless its
 tables are one numbered sequence (cat_0 ... cat_25), --feature-order gives it. --verify proves the
@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> Path:
 
     import torch
 
-    from dlrmkit.checkpoint import calibration_inputs, import_checkpoint, verify_archive, write_config
+    from dlrmkit.accuracy import calibration_inputs
+    from dlrmkit.checkpoint import import_checkpoint, verify_archive, write_config
     from dlrmkit import dense
     from dlrmkit.dense import CALIBRATION_FILE
     from dlrmkit.config import DLRMConfig
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> Path:
     from dlrmkit.errors import BadRequest, ConfigError
     from dlrmkit.model import DLRMFactory
     from dlrmkit.protocols import METADATA_FILE, model_metadata
+    from scripts import as_worker
 
     order = [f.strip() for f in args.feature_order.split(",")] if args.feature_order else None
     if order is not None and not args.checkpoint:
@@ -207,7 +209,7 @@ def main(argv: list[str] | None = None) -> Path:
             built.mkdir()
             subprocess.run(cmd, check=True, env={**os.environ, "TMPDIR": tmp})
             if args.verify:
-                result = verify_archive(built / mar.name, args.verify, args.verify_tolerance,
+                result = verify_archive(built / mar.name, args.verify, as_worker.command(), args.verify_tolerance,
                                         precision=config.dense_precision, logits=config.output == "logits",
                                         auc_ratio=args.auc_ratio)
                 if config.dense_precision != "fp32":

@@ -8,7 +8,7 @@ scripts/train.py trains each model (synthetic clicks with a learnable signal); i
 archive's fused tables, as a worker loads them) and by its dense half at bf16, int8 static
 (calibrated on the verify file itself, the optimistic reading build_mar.py refuses, or on 512 training
 rows) and int8 dynamic (no calibration), and with int8 tables (row-wise, as the archive build
-quantizes them) under an fp32 and an int8 dense half: dlrmkit.dense.contract, AUC >= 99.9% of fp32 with the max
+quantizes them) under an fp32 and an int8 dense half: dlrmkit.accuracy.contract, AUC >= 99.9% of fp32 with the max
 and p99 |delta probability|. A precision this CPU has no instructions for would be served as fp32
 (dlrmkit.dense.unsupported); it is compiled anyway here ("forced"): what the rule guards against.
 In-process rather than through build_mar.py --verify: the same functions, without one archive per row.
@@ -68,7 +68,7 @@ def contract_model(name: str, heldout: int, tmp: Path) -> dict:
 
     from scripts import train
     from dlrmkit.model import DLRMFactory
-    from dlrmkit import checkpoint, dense
+    from dlrmkit import accuracy, checkpoint, dense
     from dlrmkit.batch import collate
     from dlrmkit.config import DLRMConfig
     from dlrmkit.forms import RequestParser
@@ -104,11 +104,11 @@ def contract_model(name: str, heldout: int, tmp: Path) -> dict:
         model = (factory8 if tables == "int8" else factory).load(weights8 if tables == "int8" else weights)
         calibration = None
         if source.startswith("the verify"):
-            calibration = checkpoint.calibration_inputs(verify, model, cfg)
+            calibration = accuracy.calibration_inputs(verify, model, cfg)
         elif source.startswith("512"):
             calibration = dense.calibration_inputs(model, [(sample.dense_features, sample.sparse_features)])
         served, what, forced = compiled(model, cfg8 if tables == "int8" else cfg, precision, calibration)
-        c = dense.contract(scores(served), fp32, labels)
+        c = accuracy.contract(scores(served), fp32, labels)
         rows.append(
             {"tables": tables, "precision": precision, "calibration": source, "forced": forced, "what": what, **c}
         )

@@ -7,7 +7,7 @@ parameters if any changed (docs/live-updates.md).
 
 ``--old`` is what the served archive holds (or the previous delta's checkpoint), ``--new`` the
 trainer's newer one; both are read as scripts/build_mar.py reads a checkpoint (.pt state_dict or
-DCP directory, dlrmkit/checkpoint.py). The delta's base is the archive's delta-base.txt (or
+DCP directory, dlrmkit/checkpoint/). The delta's base is the archive's delta-base.txt (or
 ``--base``), its sequence the next one in ``--out`` (or ``--sequence``). A live trainer publishes
 itself instead: scripts/train.py --publish-dir.
 """

@@ -36,7 +36,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -45,8 +44,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from dlrmkit.checkpoint import auc  # noqa: E402
+from dlrmkit.accuracy import auc  # noqa: E402
 from dlrmkit.dense import CALIBRATION_ROWS  # noqa: E402  (the rows --calibrate keeps)
+from scripts.tsctl import free_port  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -305,12 +305,6 @@ class Publisher:
                            tables, dense, extra={"step": str(step), "step_time": repr(stepped)})
         self.log(f"step {step}: delta {path.name}, {sum(len(i) for i, _ in tables.values())} rows")
         self.sequence += 1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv=None) -> Path:

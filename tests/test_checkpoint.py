@@ -1,4 +1,4 @@
-"""Checkpoint import (dlrmkit/checkpoint.py, build_mar.py --checkpoint / --write-config) on the tiny model."""
+"""Checkpoint import (dlrmkit/checkpoint/, build_mar.py --checkpoint / --write-config) on the tiny model."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import torch
 from torchrec.modules.crossnet import LowRankCrossNet
 
 from conftest import ROOT, tiny_config, variant
-from dlrmkit import dense
+from dlrmkit import accuracy, dense
 from dlrmkit.errors import ConfigError
 from dlrmkit.model import DLRMFactory
 
@@ -213,10 +213,10 @@ def test_dense_precision_is_validated_with_the_key_named():
 def test_the_contract_is_mlperfs_auc_ratio_with_the_probability_deltas():
     labels = [0, 1] * 50
     ref = [0.1 + 0.8 * y + 0.001 * i for i, y in enumerate(labels)]
-    same = dense.contract(ref, ref, labels)
+    same = accuracy.contract(ref, ref, labels)
     assert same["auc_ratio"] == 1.0 and same["holds"] and same["max_dp"] == 0 and same["rows"] == 100
     swapped = [1 - s for s in ref]  # every order reversed: AUC 0
-    worse = dense.contract(swapped, ref, labels)
+    worse = accuracy.contract(swapped, ref, labels)
     assert not worse["holds"] and worse["auc_ratio"] < 0.999
     assert json.dumps(worse)  # goes into reports as it is
 
@@ -235,7 +235,7 @@ def test_the_contract_report_has_a_row_per_precision_and_calibration():
     labels = [0, 1] * 20
     ref = [0.2 + 0.6 * y + 0.001 * i for i, y in enumerate(labels)]
     rows = [
-        {"tables": t, "precision": p, "calibration": s, "forced": True, **dense.contract(ref, ref, labels)}
+        {"tables": t, "precision": p, "calibration": s, "forced": True, **accuracy.contract(ref, ref, labels)}
         for t, p, s in script.PRECISIONS
     ]
     doc = {

@@ -114,10 +114,10 @@ def test_initialize_errors_say_what_to_fix(tmp_path, weights):
         TorchRecDLRMHandler().initialize(FakeContext(tmp_path, {**TINY, "embedding_dim": -1}))
 
 
-def test_handler_uses_cpu_without_cuda_even_with_a_gpu_id(tmp_path, weights):
+def test_handler_uses_cpu_without_cuda_even_with_a_gpu_id(tmp_path, archived):
     from dlrm_handler import TorchRecDLRMHandler
 
-    (tmp_path / "dlrm.pt").symlink_to(weights)
+    (tmp_path / "dlrm.pt").symlink_to(archived)
     h = TorchRecDLRMHandler()
     h.initialize(FakeContext(tmp_path, dict(TINY), gpu_id=0))
     want = "cuda:0" if torch.cuda.is_available() else "cpu"
@@ -190,7 +190,7 @@ def test_large_batches_are_scored_in_groups_with_the_same_scores(handler, monkey
         assert torch.allclose(torch.tensor(json.loads(a)["scores"]), torch.tensor(json.loads(b)["scores"]), atol=1e-5)
 
 
-def test_large_batch_rows_is_refused_by_name_pointing_to_split_rows(tmp_path, weights):
+def test_large_batch_rows_is_refused_by_name_pointing_to_split_rows(tmp_path, archived):
     """handler.large_batch_rows (a large forward on a thread per CPU) measured worse than split_rows on
     every host and is gone: a config that still sets it fails at load, naming the key and what to set."""
     from dlrm_handler import TorchRecDLRMHandler
@@ -201,13 +201,13 @@ def test_large_batch_rows_is_refused_by_name_pointing_to_split_rows(tmp_path, we
         with pytest.raises(ConfigError) as info:
             DLRMConfig.from_dict({**TINY, "large_batch_rows": value})
         assert str(info.value) == message
-    (tmp_path / "dlrm.pt").symlink_to(weights)
+    (tmp_path / "dlrm.pt").symlink_to(archived)
     with pytest.raises(ConfigError) as info:
         TorchRecDLRMHandler().initialize(FakeContext(tmp_path, {**TINY, "split_rows": 350, "large_batch_rows": 4}))
     assert str(info.value) == message
 
 
-def test_a_forward_of_more_than_split_rows_runs_as_parts_on_the_workers_threads(tmp_path, weights, monkeypatch,
+def test_a_forward_of_more_than_split_rows_runs_as_parts_on_the_workers_threads(tmp_path, archived, monkeypatch,
                                                                                 caplog):
     """handler.split_rows: with CPUs for more than one part (3 here, one torch thread each), a batch
     of more rows than that runs as parts at once on the handler's pool; a smaller one whole; the
@@ -218,7 +218,7 @@ def test_a_forward_of_more_than_split_rows_runs_as_parts_on_the_workers_threads(
     from dlrm_handler import TorchRecDLRMHandler
 
     monkeypatch.setattr(dlrm_handler, "available_cpus", lambda: 3)  # as on a 3-CPU host
-    (tmp_path / "dlrm.pt").symlink_to(weights)
+    (tmp_path / "dlrm.pt").symlink_to(archived)
     section = {**TINY, "split_rows": 2, "torch_threads": 1}
     h = TorchRecDLRMHandler()
     with caplog.at_level(logging.INFO, logger="dlrm_handler"):

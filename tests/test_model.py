@@ -97,14 +97,15 @@ def test_load_matches_the_archived_model(model, archived, config):
 
 
 def test_load_errors_name_the_table(tmp_path, model, config):
-    state = model.state_dict()
+    state = DLRMFactory(config).archive_state(model)  # as build_mar.py archives it: tables as fused rows
     bad_shape = dict(state)
     key = "sparse_arch.embedding_bag_collection.embedding_bags.feature_1.weight"
-    bad_shape[key] = torch.zeros(31, 8)
+    row = state[key].shape[1]  # bytes per fused row
+    bad_shape[key] = torch.zeros(31, row, dtype=torch.uint8)
     missing = {k: v for k, v in state.items() if "feature_2" not in k}
-    extra = {**state, "sparse_arch.embedding_bag_collection.embedding_bags.feature_9.weight": torch.zeros(5, 8)}
+    extra = {**state, "sparse_arch.embedding_bag_collection.embedding_bags.feature_9.weight": torch.zeros(5, row)}
     cases = [
-        (bad_shape, "checkpoint: table 'feature_1' has shape [31, 8], the config expects [30, 8]"),
+        (bad_shape, f"checkpoint: table 'feature_1' has shape [31, {row}], the config expects [30, {row}]"),
         (missing, "checkpoint: table 'feature_2' is missing"),
         (extra, "checkpoint: table 'feature_9' is not in the model config"),
         ([1, 2], "checkpoint: expected a state_dict"),

@@ -20,10 +20,10 @@ PHASES = ("dlrm_preprocess_ms_total", "dlrm_inference_ms_total", "dlrm_postproce
 
 
 @pytest.fixture
-def modulo_handler(tmp_path, weights):
+def modulo_handler(tmp_path, archived):
     from dlrm_handler import TorchRecDLRMHandler
 
-    (tmp_path / "dlrm.pt").symlink_to(weights)
+    (tmp_path / "dlrm.pt").symlink_to(archived)
     h = TorchRecDLRMHandler()
     h.initialize(FakeContext(tmp_path, {**TINY, "id_overflow": "modulo"}))
     return h

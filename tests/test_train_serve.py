@@ -171,7 +171,7 @@ def test_an_int8_dense_half_is_built_under_the_accuracy_contract_and_served(trai
     calibration.jsonl (training rows, never the verify file); --verify checks MLPerf's AUC rule
     and refuses an archive under a contract it breaks; a real TorchServe serves the archive
     within the contract, its workers saying what runs."""
-    from dlrmkit import dense
+    from dlrmkit import accuracy, dense
 
     config = tmp_path / "int8.yaml"
     build_mar.main(["--checkpoint", str(trained / "checkpoint"), "--write-config", str(config),
@@ -229,7 +229,7 @@ def test_an_int8_dense_half_is_built_under_the_accuracy_contract_and_served(trai
         log = (srv.log_dir / "model_log.log").read_text()
     finally:
         srv.stop()
-    terms = dense.contract(served, held["scores"], held["labels"])
+    terms = accuracy.contract(served, held["scores"], held["labels"])
     assert terms["holds"], terms
     if native:
         assert "dense half: int8 static (PT2E X86InductorQuantizer, calibrated on " in log

@@ -218,12 +218,7 @@ def test_quantized_archive_is_torchrec_quantization_and_zero_copy(tmp_path, mode
 @pytest.mark.parametrize("interaction", VARIANTS)
 @pytest.mark.parametrize("dtype", ["fp32", *QUANTIZED])
 def test_tables_sharded_on_two_cpu_devices_score_as_unsharded(tmp_path, models, interaction, dtype):
-    model = models[interaction]
-    if dtype == "fp32":
-        path = tmp_path / "fp32.pt"
-        torch.save(model.state_dict(), path)
-    else:
-        path = archive(tmp_path, model, dtype, **variant(interaction))
+    path = archive(tmp_path, models[interaction], dtype, **variant(interaction))
     c = cfg(interaction, embedding_dtype=dtype)
     dense, kjt = batch()
     sharded = DLRMFactory(c).load(path, ["cpu", "cpu"])
@@ -247,10 +242,7 @@ def test_handler_batch_scores_each_request_as_alone(tmp_path, models, interactio
 
     dtype = layout.split("-")[-1]
     section = {**TINY, **variant(interaction), "embedding_dtype": dtype}
-    if dtype == "fp32":
-        torch.save(models[interaction].state_dict(), tmp_path / "dlrm.pt")
-    else:
-        archive(tmp_path, models[interaction], dtype, **variant(interaction)).rename(tmp_path / "dlrm.pt")
+    archive(tmp_path, models[interaction], dtype, **variant(interaction)).rename(tmp_path / "dlrm.pt")
     h = TorchRecDLRMHandler()
     h.initialize(FakeContext(tmp_path, section))
     if layout.startswith("sharded"):
