@@ -133,7 +133,7 @@ def cmd_accuracy(args) -> None:
 
     from dlrmkit import stream
     from dlrmkit.model import DLRMFactory
-    from dlrmkit.scale import DTYPES, copy_tables, quant_ebc
+    from dlrmkit.scale import DTYPES, copy_tables, fused_rows, quant_ebc
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     base = full_config("fp32") if not args.capped else dataclasses.replace(
@@ -176,7 +176,7 @@ def cmd_accuracy(args) -> None:
         tables = [dataclasses.replace(t, data_type=DTYPES[per_table_dtype.get(t.name, "fp32")][0])
                   for t in factory.tables("fp32")]
         qebc = quant_ebc(tables, torch.device("cpu"))
-        copy_tables(qebc, {f"{stream.TABLES}{n}.weight": stream.quantize_rows(kept[n], per_table_dtype.get(n, "fp32"))
+        copy_tables(qebc, {f"{stream.TABLES}{n}.weight": fused_rows({n: kept[n]}, per_table_dtype.get(n, "fp32"))[n]
                            for n in base.sparse_features})
         model.sparse_arch.embedding_bag_collection = qebc
         with torch.no_grad():

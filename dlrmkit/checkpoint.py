@@ -40,12 +40,12 @@ import torch
 
 from dlrmkit.config import DLRMConfig
 from dlrmkit.errors import ConfigError
+from dlrmkit.scale import TABLES
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: the shipped model-config.yaml, metrics.yaml
 
 PREFIXES = ("model.", "module.", "_dmp_wrapped_module.")
 PARTS = ("sparse_arch.", "dense_arch.", "inter_arch.", "over_arch.")  # a torchrec DLRM's children
-TABLES = "sparse_arch.embedding_bag_collection.embedding_bags."
 HOLDERS = ("model", "model_state_dict", "state_dict")  # where training scripts nest the state_dict
 
 
