@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -27,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from ts.metrics.dimension import Dimension
+from ts.metrics.metric_type_enum import MetricTypes
 from ts.torch_handler.base_handler import BaseHandler
 from ts.utils.util import PredictionException
 
@@ -35,8 +37,8 @@ from dlrmkit.batch import collate, scores
 from dlrmkit.forms import RequestParser
 from dlrmkit.cpus import available_cpus, forward_threads, split_parts, torch_threads
 from dlrmkit import dense as dense_half
-from dlrmkit import delta as live
 from dlrmkit.errors import BadRequest, ConfigError, RequestError
+from dlrmkit.live import DeltaApplier, start_watcher
 from dlrmkit.model import DLRMFactory
 from dlrmkit.protocols import BINARY_HEADER, open_request
 from dlrmkit.scale import worker_devices
@@ -62,12 +64,14 @@ URL_PATH = ("url_path",)
 HOST = ("Host", "host", "HOST")
 BINARY_SPELLINGS = (BINARY_HEADER, BINARY_HEADER.lower())
 CONTENT_TYPE = ("Content-Type", "content-type", "Content-type", "CONTENT-TYPE")
+DELTA_HEADER = "X-Delta-Sequence"  # on every answer: the live-update delta sequence its score was made under
 
 
 class TorchRecDLRMHandler(BaseHandler, ABC):
     """Scores DLRM requests; see docs/requests-and-errors.md for the request and response formats."""
 
-    deltas = None  # with handler.delta_dir: the dlrmkit.delta.DeltaApplier following it
+    deltas = None  # with handler.delta_dir: the dlrmkit.live.DeltaApplier following it
+    delta_applier = DeltaApplier  # its class (tests/unguarded_handler.py injects one without the lock)
 
     def initialize(self, context):
         props = context.system_properties
@@ -116,7 +120,10 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         model = (self.manifest or {}).get("model", {})
         self.model_id = (model.get("modelName", "dlrm"), str(model.get("modelVersion", "1.0")))
         # handler.delta_dir: every visible delta applied now, before the worker reports ready; then a watcher
-        self.deltas = live.start_watcher(self, context, dense, devices)
+        metrics = getattr(context, "metrics", None)
+        emit = functools.partial(_live_metric, metrics) if metrics is not None else None
+        self.deltas = start_watcher(self.config, self.model, model_dir, os.path.join(model_dir, serialized),
+                                    self.model_id[0], devices, emit, self.delta_applier)
         self.initialized = True
         logger.info(
             "DLRM loaded on %s in %.1f s: %d dense, %d sparse features, %d embedding rows (%s), output %s, "
@@ -137,12 +144,14 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         self.context = context
         pre = self.preprocess(data)
         t.append(time.perf_counter())
-        # The whole batch scored under one delta sequence: never between a delta's rows (dlrmkit/delta.py)
+        # The whole batch scored under one delta sequence: never between a delta's rows (dlrmkit/live/)
         with self.deltas.serving() if self.deltas else contextlib.nullcontext() as sequence:
             scored = self.inference(pre)
         t.append(time.perf_counter())
         out = self.postprocess(scored)
-        live.tag_responses(context, len(data), sequence)
+        if sequence is not None:
+            for i in range(len(data)):
+                context.set_response_header(i, DELTA_HEADER, str(sequence))
         t.append(time.perf_counter())
         _record_metrics(context.metrics, len(data), pre[0], scored[1], t,
                         sum(getattr(self.requests[i], "clipped", 0) for i in scored[0]))
@@ -253,6 +262,15 @@ def _record_metrics(metrics, n_requests: int, batches: list, errors: dict, t: li
         metrics.add_counter("dlrm_clipped_dense_total", clipped, None, [])
     for kind, count in collections.Counter(type(e).__name__ for e in errors.values()).items():
         metrics.add_counter("dlrm_rejected_requests_total", count, None, [Dimension("ErrorType", kind)])
+
+
+def _live_metric(metrics, name: str, value: float, unit: str, **dims: str) -> None:
+    """dlrmkit.live's metrics into TorchServe's: ``*_total`` a counter, the rest gauges (metrics.yaml)."""
+    dimensions = [Dimension(k, v) for k, v in dims.items()]
+    if name.endswith("_total"):
+        metrics.add_counter(name, value, None, dimensions)
+    else:
+        metrics.add_metric(name, value, unit, None, dimensions, MetricTypes.GAUGE)
 
 
 def _body(row: dict, ctx, idx: int):

@@ -43,7 +43,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from dlrmkit.delta import delta_path, write_delta  # noqa: E402
+from dlrmkit.live import delta_path, write_delta  # noqa: E402
 from bench.fakes import DeltaReferences  # noqa: E402
 from bench.common import machine  # noqa: E402
 from bench.load import percentile, run_load  # noqa: E402
@@ -315,7 +315,7 @@ def freshness(tmp: Path, a) -> dict:
         applied = Applied(pids)
         applied.start()
         subprocess.run([*py, *b_args], check=True)
-        from dlrmkit.delta import read_delta, ready_sequences
+        from dlrmkit.live import read_delta, ready_sequences
 
         ready = ready_sequences(tmp / "deltas")
         last = max(ready)
@@ -347,9 +347,11 @@ def freshness(tmp: Path, a) -> dict:
 
 
 def _writer_work(paths: list[Path], writer, table: torch.Tensor, marks, stop, nice: bool) -> None:
-    """What the writer does per delta, one a second, with its own code (a dlrmkit.delta.TableWriter):
+    """What the writer does per delta, one a second, with its own code (a dlrmkit.live.TableWriter):
     read, check and convert it, then write its rows."""
-    from dlrmkit.delta import WRITER_NICE, _write, read_delta
+    from dlrmkit.live.format import read_delta
+    from dlrmkit.live.tables import write_rows
+    from dlrmkit.live.writer import WRITER_NICE
 
     if nice:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
@@ -357,19 +359,19 @@ def _writer_work(paths: list[Path], writer, table: torch.Tensor, marks, stop, ni
     while not stop.wait(1.0):
         marks[i % len(marks)] = time.perf_counter()
         for _, ids, src in writer.convert(read_delta(paths[i % len(paths)]), 1):
-            _write(table, ids, src)
+            write_rows(table, ids, src)
         i += 1
 
 
 def _writer_process(paths, writer, width, rows, marks) -> None:
-    from dlrmkit.delta import WRITER_NICE
+    from dlrmkit.live.writer import WRITER_NICE
 
     os.nice(WRITER_NICE)
     _writer_work(paths, writer, torch.zeros(rows, width, dtype=torch.uint8), marks, threading.Event(), False)
 
 
 def writer_stall(tmp: Path, a) -> list[dict]:
-    """Why the writer is a process (dlrmkit/delta.py ``_tend_writer``): a serving-like thread (60
+    """Why the writer is a process (dlrmkit/live/writer.py ``WriterProcess``): a serving-like thread (60
     small matmuls a batch, one thread) beside the writer's work per delta (1k/10k/100k rows, one a
     second), with both CPUs kept busy by spinning processes as under load: the writer as a niced
     thread of the serving process (it was), and as a niced process of its own (it is). Per mode, the
@@ -377,7 +379,8 @@ def writer_stall(tmp: Path, a) -> list[dict]:
     import bisect
     import multiprocessing as mp
 
-    from dlrmkit.delta import Target, TableWriter, fused_rows
+    from dlrmkit.live import Target, TableWriter
+    from dlrmkit.scale import fused_rows
 
     gen = torch.Generator().manual_seed(0)
     names = [f"f{i}" for i in range(a.tables)]

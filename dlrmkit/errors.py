@@ -44,3 +44,20 @@ class ConfigError(ValueError):
     The message names the key and shows a valid value, e.g.
     ``handler.embedding_dim: expected a positive integer, got 0 (e.g. embedding_dim: 8)``.
     """
+
+
+class DeltaError(Exception):
+    """A live-update delta refused (dlrmkit.live); never a request's error: the model stays as it
+    was and the worker waits for a valid delta of that sequence.
+
+    ``reason`` is the ``Reason`` dimension of ``dlrm_deltas_refused_total``: format, model, base,
+    sequence, table, shape, dtype, range, duplicate, nonfinite, corrupt, checksum or dense; the
+    message says what is wrong, e.g. ``feature_0.ids: id 20 is out of range [0, 20)``.
+    """
+
+    reason: str  # a refusal's status, one of the reasons above
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
