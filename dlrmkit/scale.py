@@ -149,11 +149,12 @@ def fused_rows(rows: Mapping[str, torch.Tensor], dtype: str) -> dict[str, torch.
             for t, r in rows.items():
                 out[t][:, : r.shape[1] * 4].copy_(r.detach().to(torch.float32).contiguous().view(torch.uint8))
         return out
-    holder = torch.nn.Module()
-    holder.ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
     for t, r in rows.items():
-        holder.ebc.embedding_bags[t].weight = torch.nn.Parameter(r.detach(), requires_grad=False)
-    return dict(_kernel_rows(quantize(holder, dtype).ebc))
+        ebc.embedding_bags[t].weight = torch.nn.Parameter(r.detach(), requires_grad=False)
+    holder = torch.nn.Module()
+    holder.ebc = ebc
+    return dict(_kernel_rows(quantize(holder, dtype).get_submodule("ebc")))
 
 
 def adopt_tables(qebc: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> bool:
