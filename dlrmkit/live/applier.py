@@ -187,9 +187,9 @@ class DeltaApplier:
     def _count_refused(self, reason: str) -> None:
         self._emit("dlrm_deltas_refused_total", 1, "Count", Reason=reason)
 
-    def lag_seconds(self, ready: Mapping[int, Path] | None = None) -> float:
+    def lag_seconds(self) -> float:
         """Seconds since the oldest visible delta not yet applied became visible (0: caught up)."""
-        ready = ready_sequences(self.directory) if ready is None else ready
+        ready = ready_sequences(self.directory)
         pending = [s for s in ready if s > self.applied]
         if not pending:
             return 0.0
