@@ -55,8 +55,8 @@ def with_handler(mar: Path, handler: str, *modules: str) -> None:
             z.writestr(name, data)
 
 
-def start(tmp, workers: int, dtype: str, handler: str | None = None):
-    """A server of ``workers`` workers following ``tmp``/deltas; ``handler``: a test's handler file
+def start(tmp, workers: int, dtype: str, handler_file: str | None = None):
+    """A server of ``workers`` workers following ``tmp``/deltas; ``handler_file``: a test's handler file
     (tests/unguarded_handler.py) instead of the kit's."""
     from scripts import build_mar
 
@@ -77,8 +77,8 @@ def start(tmp, workers: int, dtype: str, handler: str | None = None):
     mar = build_mar.main(["--config", str(config), "--output-dir", str(tmp / "store"), "--force"])
     with zipfile.ZipFile(mar) as z:
         base = z.read("delta-base.txt").decode().strip()
-    if handler:
-        with_handler(mar, handler, "unguarded.py")
+    if handler_file:
+        with_handler(mar, handler_file, "unguarded.py")
     srv = Server.on_free_ports(tmp / "home", model_store=tmp / "store")
     srv.start()
     srv.wait_ready("dlrm", REQUESTS[0], timeout=240)
