@@ -107,7 +107,7 @@ image: image-base $(PLUGIN)  ## build the container image deploy/kserve runs (VA
 # formatter over the files already formatted (FORMATTED; the rest join as they are reworked).
 FORMATTED := dlrmkit/request.py dlrmkit/schema.py dlrmkit/forms.py dlrmkit/dense.py scripts/fuzz.py tests/test_fuzz.py \
   tests/test_dense.py bench/common.py bench/mlperf.py bench/server_scenario.py tests/test_bench.py \
-  scripts/dense_contract.py dlrmkit/delta.py tests/test_delta.py tests/test_delta_server.py scripts/publish_delta.py
+  scripts/dense_contract.py dlrmkit/live tests/test_delta.py tests/test_delta_server.py scripts/publish_delta.py
 lint: venv  ## ruff (lint, format) and mypy, as CI runs them before the tests
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check $(FORMATTED)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 from ts.metrics.dimension import Dimension
+from ts.metrics.metric_type_enum import MetricTypes
 from ts.torch_handler.base_handler import BaseHandler
 from ts.utils.util import PredictionException
 
@@ -37,8 +39,8 @@ from dlrmkit.batch import Batch, RequestBatch, collate, scores
 from dlrmkit.forms import RequestParser
 from dlrmkit.cpus import available_cpus, split_parts, torch_threads
 from dlrmkit import dense as dense_half
-from dlrmkit import delta as live
 from dlrmkit.errors import BadRequest, ConfigError, RequestError
+from dlrmkit.live import DeltaApplier, start_watcher
 from dlrmkit.model import DLRMFactory
 from dlrmkit.protocols import BINARY_HEADER, open_request
 from dlrmkit.request import ParsedRequest
@@ -65,6 +67,7 @@ URL_PATH = ("url_path",)
 HOST = ("Host", "host", "HOST")
 BINARY_SPELLINGS = (BINARY_HEADER, BINARY_HEADER.lower())
 CONTENT_TYPE = ("Content-Type", "content-type", "Content-type", "CONTENT-TYPE")
+DELTA_HEADER = "X-Delta-Sequence"  # on every answer: the live-update delta sequence its score was made under
 
 
 class TorchRecDLRMHandler(BaseHandler, ABC):
@@ -73,7 +76,8 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
     ``initialize`` loads the worker in named steps; ``close`` stops what it started beside the
     serving thread (the split pool, the live watcher and its writer process) when the worker exits."""
 
-    deltas = None  # with handler.delta_dir: the dlrmkit.delta.DeltaApplier following it
+    deltas = None  # with handler.delta_dir: the dlrmkit.live.DeltaApplier following it
+    delta_applier = DeltaApplier  # its class (tests/unguarded_handler.py injects one without the lock)
     split_pool: ThreadPoolExecutor | None = None  # with handler.split_rows: the threads a large forward's parts run on
     split_parts = 1  # the most parts one forward runs as
 
@@ -86,7 +90,7 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         self.parser = RequestParser(self.config)
         try:
             # handler.delta_dir: every visible delta applied now, before the worker reports ready; then a watcher
-            self.deltas = live.start_watcher(self, context, dense, devices)
+            self.deltas = self._start_watcher(context, weights, devices)
         except BaseException:
             self.close()  # the pool's threads too: a worker that fails to load leaves nothing running
             raise
@@ -147,6 +151,13 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
                 else f"the model is on {self.device}",
             )
 
+    def _start_watcher(self, context, weights: str, devices: list[torch.device]):
+        """handler.delta_dir: the live watcher (dlrmkit/live/), its metrics handed in as a plain emit."""
+        metrics = getattr(context, "metrics", None)
+        emit = functools.partial(_live_metric, metrics) if metrics is not None else None
+        return start_watcher(self.config, self.model, os.path.dirname(weights), weights, self.model_id[0], devices,
+                             emit, self.delta_applier)
+
     def _say_loaded(self, devices: list[torch.device], seconds: float, frozen: list[str], dense: str) -> None:
         c = self.config
         logger.info(
@@ -175,7 +186,7 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         TorchServe 0.12 itself stops a worker (scale down, unregister, ``torchserve --stop``) by closing
         that socket and killing the process at once (Process.destroyForcibly: SIGKILL); measured, no
         Python exit hook ran on any of the three. There the kernel releases the same: the threads end
-        with the process, the writer process with its parent (PR_SET_PDEATHSIG, dlrmkit/delta.py);
+        with the process, the writer process with its parent (PR_SET_PDEATHSIG, dlrmkit/live/writer.py);
         tests/test_variants_server.py checks that nothing is left."""
         atexit.unregister(self.close)
         deltas, self.deltas = self.deltas, None
@@ -191,12 +202,14 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         t = [time.perf_counter()]
         work = self.preprocess(data, context)
         t.append(time.perf_counter())
-        # The whole batch scored under one delta sequence: never between a delta's rows (dlrmkit/delta.py)
+        # The whole batch scored under one delta sequence: never between a delta's rows (dlrmkit/live/)
         with self.deltas.serving() if self.deltas else contextlib.nullcontext() as sequence:
             work = self.inference(work)
         t.append(time.perf_counter())
         out = self.postprocess(work, context)
-        live.tag_responses(context, len(data), sequence)
+        if sequence is not None:
+            for i in range(len(data)):
+                context.set_response_header(i, DELTA_HEADER, str(sequence))
         t.append(time.perf_counter())
         _record_metrics(
             context.metrics,
@@ -322,6 +335,15 @@ def _record_metrics(
         metrics.add_counter("dlrm_clipped_dense_total", clipped, None, [])
     for kind, count in collections.Counter(type(e).__name__ for e in errors.values()).items():
         metrics.add_counter("dlrm_rejected_requests_total", count, None, [Dimension("ErrorType", kind)])
+
+
+def _live_metric(metrics, name: str, value: float, unit: str, **dims: str) -> None:
+    """dlrmkit.live's metrics into TorchServe's: ``*_total`` a counter, the rest gauges (metrics.yaml)."""
+    dimensions = [Dimension(k, v) for k, v in dims.items()]
+    if name.endswith("_total"):
+        metrics.add_counter(name, value, None, dimensions)
+    else:
+        metrics.add_metric(name, value, unit, None, dimensions, MetricTypes.GAUGE)
 
 
 def _body(row: dict, ctx, idx: int):

@@ -83,7 +83,7 @@ class DeltaReferences:
         import zipfile
 
         from dlrmkit.config import DLRMConfig
-        from dlrmkit.delta import BASE_FILE, DeltaApplier, target_for
+        from dlrmkit.live import BASE_FILE, DeltaApplier, target_for
         from dlrmkit.forms import RequestParser
 
         self.tmp = Path(tempfile.mkdtemp(prefix="delta-ref-"))
@@ -94,7 +94,7 @@ class DeltaReferences:
         factory = DLRMFactory(self.config)
         model = factory.load(self.tmp / "dlrm.pt")
         factory.freeze_dense(model)
-        target = target_for(model, self.config, factory, "dlrm", base, False)
+        target = target_for(self.config, factory, "dlrm", base)
         self.applier = DeltaApplier(model, self.config, factory, directory, target)
         self.parser, self.requests, self.tol = RequestParser(self.config), requests, tol
         self.scores = {0: self._score()}

@@ -83,7 +83,7 @@ class DLRMConfig:
     # with dense_shift = 2 - (the training file's minimum dense value); ids by id_overflow.
     raw_input: str | None = None
     dense_shift: float | None = None
-    # Live updates (dlrmkit/delta.py, docs/live-updates.md): a directory of deltas (a volume shared by
+    # Live updates (dlrmkit/live/, docs/live-updates.md): a directory of deltas (a volume shared by
     # the replicas) that every worker follows, polling every delta_poll_s seconds; None: off.
     delta_dir: str | None = None
     delta_poll_s: float = 0.5

@@ -50,3 +50,20 @@ class InternalError(RuntimeError):
     """A step of the kit broke its own rule (a source read out of order, a kernel laid out other
     than planned, sharded tables that did not take their weights): a bug to report with the
     message, never a config to change."""
+
+
+class DeltaError(Exception):
+    """A live-update delta refused (dlrmkit.live); never a request's error: the model stays as it
+    was and the worker waits for a valid delta of that sequence.
+
+    ``reason`` is the ``Reason`` dimension of ``dlrm_deltas_refused_total``: format, model, base,
+    sequence, table, shape, dtype, range, duplicate, nonfinite, corrupt, checksum or dense; the
+    message says what is wrong, e.g. ``feature_0.ids: id 20 is out of range [0, 20)``.
+    """
+
+    reason: str  # a refusal's status, one of the reasons above
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message

@@ -21,17 +21,16 @@ from dlrmkit.errors import ConfigError
 from dlrmkit.scale import (
     DTYPES,
     EBC,
+    TABLES,
     adopt_tables,
     copy_tables,
+    fused_rows,
     fused_tables,
     load_read_only,
     quant_ebc,
-    quantize,
-    saved_state,
     shard,
 )
 
-_EBC_PREFIX = EBC + "embedding_bags."
 logger = logging.getLogger(__name__)
 
 
@@ -142,13 +141,13 @@ class DLRMFactory:
         reads (uint8 ``[rows, row bytes]``, all views of one buffer): fp32 rows byte for byte,
         or for a quantized ``embedding_dtype`` torchrec's quantized rows (split scale/bias), so
         loading never sees fp32 tables."""
-        dtype = self.config.embedding_dtype
-        if dtype != "fp32":
-            return saved_state(quantize(model, dtype))
         state = model.state_dict()
-        qebc = quant_ebc(self.tables("fp32"), torch.device("cpu"))
-        copy_tables(qebc, _as_rows(state))
-        return {**{k: v for k, v in state.items() if not k.startswith(EBC)}, **fused_tables(qebc)}
+        rows = fused_rows({k[len(TABLES) : -len(".weight")]: v for k, v in state.items() if k.startswith(TABLES)},
+                          self.config.embedding_dtype)
+        tables = {f"{TABLES}{t}.weight": r for t, r in rows.items()}
+        dense = {k: v for k, v in state.items() if not k.startswith(EBC)}
+        # in the order the archives always had (the same file, so the same base_version)
+        return {**dense, **tables} if self.config.embedding_dtype == "fp32" else {**tables, **dense}
 
     def load(self, weights: str | Path, device: torch.device | str | list = "cpu") -> torch.nn.Module:
         """The DLRM with archived weights, in eval mode; ``device`` may be a list of devices.
@@ -248,11 +247,11 @@ class DLRMFactory:
             if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
                 shape = list(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
                 unit = "embedding_dim" if want.dtype == torch.float32 else "bytes per row"
-                other_dtype = key.startswith(_EBC_PREFIX) and isinstance(got, torch.Tensor) and got.dim() == 2 \
+                other_dtype = key.startswith(TABLES) and isinstance(got, torch.Tensor) and got.dim() == 2 \
                     and got.shape[0] == want.shape[0]
                 raise ConfigError(
                     f"checkpoint: {what} has shape {shape}, the config expects {list(want.shape)}"
-                    + (f" (num_embeddings x {unit})" if key.startswith(_EBC_PREFIX) else "")
+                    + (f" (num_embeddings x {unit})" if key.startswith(TABLES) else "")
                     + (f"; was the archive built for another handler.embedding_dtype than "
                        f"{self.config.embedding_dtype}?" if other_dtype else "")
                 )
@@ -281,13 +280,7 @@ def _read(weights: str | Path) -> object:
         raise ConfigError(f"{path}: not a torch state_dict file ({type(e).__name__}: {e})") from None
 
 
-def _as_rows(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """fp32 ``nn.EmbeddingBag`` tables as the fused kernel's rows: the same bytes, uint8
-    ``[rows, D * 4]`` views."""
-    return {k: v.view(torch.uint8) for k, v in state.items() if k.startswith(_EBC_PREFIX)}
-
-
 def _describe(key: str) -> str:
-    if key.startswith(_EBC_PREFIX):
-        return f"table {key[len(_EBC_PREFIX):].rsplit('.', 1)[0]!r}"
+    if key.startswith(TABLES):
+        return f"table {key[len(TABLES):].rsplit('.', 1)[0]!r}"
     return f"layer {key!r}"

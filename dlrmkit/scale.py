@@ -10,6 +10,7 @@ Everything here is torchrec's own machinery, wired for serving:
   model on one machine share the pages.
 * ``shard``: ``shard_quant_model`` (``EmbeddingShardingPlanner`` + ``Topology`` + the sharded
   quantized EBC), table-wise, then the archived state_dict loaded into the new kernels.
+* ``fused_rows``: fp32 rows as the kernel's fused rows, the one conversion of every build and delta.
 * ``worker_devices``: which devices TorchServe gave this worker.
 * ``table_bytes``: exact bytes of a table per dtype, for the sizing script.
 """
@@ -20,7 +21,7 @@ import contextlib
 import mmap
 import os
 import warnings
-from typing import Any, Mapping, Sequence, cast
+from typing import Any, Iterator, Mapping, Sequence, cast
 
 import torch
 from fbgemm_gpu.split_embedding_configs import SparseType
@@ -38,6 +39,7 @@ from torchrec.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionS
 from torchrec.distributed.types import ShardingType
 from torchrec.inference.modules import DEFAULT_FUSED_PARAMS, quantize_inference_model, shard_quant_model
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.quant.embedding_modules import DEFAULT_ROW_ALIGNMENT
 from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEBC
 from torchrec.tensor_types import UInt4Tensor
@@ -53,6 +55,7 @@ DTYPES: dict[str, tuple[DataType, torch.dtype]] = {
 }
 _SPARSE_TYPE = {"fp32": SparseType.FP32, "fp16": SparseType.FP16, "int8": SparseType.INT8, "int4": SparseType.INT4}
 EBC = "sparse_arch.embedding_bag_collection."
+TABLES = EBC + "embedding_bags."  # a table's key in a DLRM's state_dict: TABLES + <table> + ".weight"
 _LAZY_MIN_BYTES = 1 << 20
 
 
@@ -118,16 +121,51 @@ def quant_ebc(tables: Sequence[EmbeddingBagConfig], device: torch.device, lazy: 
                         quant_state_dict_split_scale_bias=True, cache_features_order=True)
 
 
-def fused_tables(qebc: QuantEBC, prefix: str = EBC) -> dict[str, torch.Tensor]:
+def fused_tables(qebc: QuantEBC) -> dict[str, torch.Tensor]:
     """Archive key -> the kernel's fused rows of that table (a view of its weight buffer)."""
-    out = {}
+    return {f"{TABLES}{name}.weight": rows for name, rows in _kernel_rows(qebc)}
+
+
+def _kernel_rows(qebc: QuantEBC) -> Iterator[tuple[str, torch.Tensor]]:
+    """(table, its fused rows in the kernel's weight buffer) of every table of a quantized EBC."""
     for tables, tbe in zip(qebc._key_to_tables.values(), qebc._emb_modules):
         for cfg, (rows, _, _) in zip(tables, tbe.split_embedding_weights_with_scale_bias(split_scale_bias_mode=0)):
-            out[f"{prefix}embedding_bags.{cfg.name}.weight"] = rows
-    return out
+            yield cfg.name, rows
 
 
-def adopt_tables(qebc: QuantEBC, state: Mapping[str, torch.Tensor], prefix: str = EBC) -> bool:
+def fused_rows(rows: Mapping[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
+    """Table -> fbgemm's fused rows (uint8 ``[n, row bytes]``, the kernel's padded rows) of fp32
+    ``rows`` (table -> ``[n, D]``) stored as ``dtype``: the one conversion of the archive build
+    (``DLRMFactory.archive_state``), the streamed build (``dlrmkit.stream``) and live deltas.
+
+    fp32: the rows' bytes copied into the kernel's rows; fp16/int8/int4: torchrec's quantizer
+    (``quantize``), row-wise, so any subset of a table's rows converts to exactly the bytes those
+    rows have in a whole build. The tables come out as views of one kernel buffer, which
+    ``torch.save`` writes once. Tables without rows are left out.
+    """
+    rows = {t: r for t, r in rows.items() if len(r)}
+    if not rows:
+        return {}
+    tables = [
+        EmbeddingBagConfig(name=t, embedding_dim=r.shape[1], num_embeddings=r.shape[0], feature_names=[t])
+        for t, r in rows.items()
+    ]
+    if dtype == "fp32":
+        qebc = quant_ebc(tables, torch.device("cpu"))
+        out = dict(_kernel_rows(qebc))
+        with torch.no_grad():
+            for t, r in rows.items():
+                out[t][:, : r.shape[1] * 4].copy_(r.detach().to(torch.float32).contiguous().view(torch.uint8))
+        return out
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    for t, r in rows.items():
+        ebc.embedding_bags[t].weight = torch.nn.Parameter(r.detach(), requires_grad=False)
+    holder = torch.nn.Module()
+    holder.ebc = ebc
+    return dict(_kernel_rows(cast(QuantEBC, quantize(holder, dtype).get_submodule("ebc"))))
+
+
+def adopt_tables(qebc: QuantEBC, state: Mapping[str, torch.Tensor]) -> bool:
     """Make the archived table storage the kernels' own weight buffer, without copying.
 
     Works when the archive holds each kernel's buffer as ``saved_state`` wrote it (the tables
@@ -142,7 +180,7 @@ def adopt_tables(qebc: QuantEBC, state: Mapping[str, torch.Tensor], prefix: str 
             return False
         storage = None
         for cfg, (want, _, _) in zip(tables, tbe.split_embedding_weights_with_scale_bias(split_scale_bias_mode=0)):
-            got = state.get(f"{prefix}embedding_bags.{cfg.name}.weight")
+            got = state.get(f"{TABLES}{cfg.name}.weight")
             if got is None or got.dtype != want.dtype or got.shape != want.shape or got.stride() != want.stride() \
                     or got.storage_offset() != want.storage_offset():
                 return False
@@ -159,11 +197,11 @@ def adopt_tables(qebc: QuantEBC, state: Mapping[str, torch.Tensor], prefix: str 
     return True
 
 
-def copy_tables(qebc: QuantEBC, state: Mapping[str, torch.Tensor], prefix: str = EBC) -> None:
+def copy_tables(qebc: QuantEBC, state: Mapping[str, torch.Tensor]) -> None:
     """Copy archived fused rows into the kernels' buffers (GPU, or a layout ``adopt_tables``
     cannot take). A source row may be narrower than the kernel's padded row."""
     with torch.no_grad():
-        for key, dst in fused_tables(qebc, prefix).items():
+        for key, dst in fused_tables(qebc).items():
             src = state[key]
             dst[:, : src.shape[1]].copy_(src)
 
@@ -258,6 +296,12 @@ def worker_devices(gpu_id: Any, model_yaml: Mapping[str, Any] | None, cuda_count
 
 
 _MAPPINGS: list = []  # read-only mappings handed to torch: alive as long as the worker
+
+
+def mapped_read_only() -> bool:
+    """Whether this process mapped an archive read-only (``load_read_only``: tables larger than
+    memory), so that its tables cannot be written in place."""
+    return bool(_MAPPINGS)
 
 
 def load_read_only(path: str | os.PathLike, random_access: bool = True) -> dict:

@@ -35,7 +35,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator, cast
+from typing import IO, Callable, Iterator, cast
 
 import torch
 import torch.distributed.checkpoint as dcp  # torchrec imports it anyway: no cost to load it here
@@ -50,9 +50,8 @@ from dlrmkit.checkpoint import open_checkpoint, plan_import, say_ignored
 from dlrmkit.config import DLRMConfig
 from dlrmkit.errors import ConfigError, InternalError
 from dlrmkit.model import DLRMFactory
-from dlrmkit.scale import EBC, table_bytes
+from dlrmkit.scale import EBC, TABLES, fused_rows, table_bytes
 
-TABLES = EBC + "embedding_bags."
 CHUNK_BYTES = 256 << 20  # fp32 bytes of rows quantized at once: the build's working set
 _RESERVE = 2 << 30  # disk left free for everyone else on the machine
 
@@ -82,35 +81,6 @@ def layout(config: DLRMConfig) -> tuple[list[Slot], int]:
 def _row_bytes(config: DLRMConfig) -> int:
     kind = {"fp32": SparseType.FP32, "fp16": SparseType.FP16, "int8": SparseType.INT8, "int4": SparseType.INT4}
     return rounded_row_size_in_bytes(config.embedding_dim, kind[config.embedding_dtype], DEFAULT_ROW_ALIGNMENT)
-
-
-def quantize_rows(rows: torch.Tensor, dtype: str) -> torch.Tensor:
-    """fp32 rows ``[n, D]`` -> the kernel's fused rows ``[n, row bytes]`` (uint8), by the normal
-    build's quantizer: a one-table EmbeddingBagCollection holding ``rows`` goes through
-    ``dlrmkit.scale.quantize`` (torchrec's ``quantize_inference_model``) and its fused rows come
-    out. int8/int4 scale and bias are per row, so a chunk quantizes as the whole table would."""
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
-    from dlrmkit.scale import fused_tables, quantize
-
-    n, dim = rows.shape
-    if dtype == "fp32":
-        from dlrmkit.scale import quant_ebc
-
-        # the normal fp32 build copies the rows into the kernel's (padded) rows: the same here
-        cfg = EmbeddingBagConfig(name="t", embedding_dim=dim, num_embeddings=n, feature_names=["t"])
-        qebc = quant_ebc([cfg], torch.device("cpu"))
-        out = fused_tables(qebc, prefix="")["embedding_bags.t.weight"]
-        out[:, : dim * 4].copy_(rows.contiguous().view(torch.uint8))
-        return out
-    holder = torch.nn.Module()
-    holder.ebc = EmbeddingBagCollection(
-        tables=[EmbeddingBagConfig(name="t", embedding_dim=dim, num_embeddings=n, feature_names=["t"])],
-        device=torch.device("meta"))
-    cast(Any, holder.ebc).embedding_bags["t"].weight = torch.nn.Parameter(rows, requires_grad=False)
-    quantized = quantize(holder, dtype)
-    return fused_tables(quantized.ebc, prefix="ebc.")["ebc.embedding_bags.t.weight"]
 
 
 # --- where fp32 rows come from -----------------------------------------------------------------
@@ -419,7 +389,7 @@ def write_weights(path: str | Path, config: DLRMConfig, source, chunk_bytes: int
             t0 = time.perf_counter()
             for start in range(0, s.rows, chunk_rows):
                 n = min(chunk_rows, s.rows - start)
-                fused = quantize_rows(source.rows(t, start, n), dtype)
+                fused = fused_rows({s.name: source.rows(t, start, n)}, dtype)[s.name]
                 if fused.shape != (n, s.row_bytes):
                     raise InternalError(f"table {s.name}: quantized rows {tuple(fused.shape)}, layout {n} x {s.row_bytes}")
                 _pwrite(fd, fused, base + s.offset + start * s.row_bytes)

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> Path:
     from dlrmkit import dense
     from dlrmkit.dense import CALIBRATION_FILE
     from dlrmkit.config import DLRMConfig
-    from dlrmkit.delta import BASE_FILE, base_version
+    from dlrmkit.live import BASE_FILE, base_version
     from dlrmkit.errors import BadRequest, ConfigError
     from dlrmkit.model import DLRMFactory
     from dlrmkit.protocols import METADATA_FILE, model_metadata
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> Path:
             state = factory.archive_state(model)
             del model
             torch.save(state, weights)
-            # The archive's identity, which live-update deltas name (dlrmkit/delta.py)
+            # The archive's identity, which live-update deltas name (dlrmkit/live/)
             (base := Path(tmp) / BASE_FILE).write_text(base_version(weights) + "\n")
             extra.append(str(base))
             # The v2 metadata the OIP endpoint plugin serves, from the config just validated.

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def archive_base(mar: str | Path) -> str:
     """The base version a built archive carries (scripts/build_mar.py writes delta-base.txt)."""
-    from dlrmkit.delta import BASE_FILE
+    from dlrmkit.live import BASE_FILE
 
     with zipfile.ZipFile(mar) as z:
         try:
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> Path | None:
 
     from dlrmkit.checkpoint import import_checkpoint
     from dlrmkit.config import DLRMConfig
-    from dlrmkit.delta import changes, next_sequence, write_delta
+    from dlrmkit.live import changes, next_sequence, write_delta
     from dlrmkit.errors import ConfigError
 
     try:

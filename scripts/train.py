@@ -21,7 +21,7 @@ in ``DistributedModelParallel`` over ``--world-size`` CPU processes (gloo). ``--
 
 Live updates (docs/live-updates.md): ``--resume DIR`` continues from a previous ``--out``'s
 checkpoint (the one an archive was built from), and ``--publish-dir D --publish-every N
---publish-base B`` writes a delta (dlrmkit/delta.py) every N steps: the rows torchrec's delta
+--publish-base B`` writes a delta (dlrmkit/live/) every N steps: the rows torchrec's delta
 tracker saw looked up since the last one (ID_ONLY mode; their current values are read from the
 local shards and gathered on rank 0) and every dense parameter. Publishing needs table-wise sharding.
 
@@ -276,7 +276,7 @@ class Publisher:
     PREFIX = "model.sparse_arch.embedding_bag_collection.embedding_bags."
 
     def __init__(self, args, dmp, rank: int, log):
-        from dlrmkit.delta import next_sequence
+        from dlrmkit.live import next_sequence
 
         self.args, self.dmp, self.rank, self.log = args, dmp, rank, log
         self.sequence = next_sequence(args.publish_dir)
@@ -284,7 +284,7 @@ class Publisher:
     def __call__(self, step: int) -> None:
         import torch.distributed as dist
 
-        from dlrmkit.delta import write_delta
+        from dlrmkit.live import write_delta
 
         stepped = time.time()  # the step is done: freshness lag counts from here
         tracked = self.dmp.get_delta_tracker().get_unique()

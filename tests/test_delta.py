@@ -1,5 +1,5 @@
 """Unit: the delta format, every refusal, conversion per dtype, ordering and idempotence
-(dlrmkit/delta.py), and the handler's wiring with a fake TorchServe context."""
+(dlrmkit/live/), and the handler's wiring with a fake TorchServe context."""
 
 from __future__ import annotations
 
@@ -13,13 +13,12 @@ import torch
 
 from conftest import TINY, FakeContext, tiny_config
 from dlrmkit.model import DLRMFactory
-from dlrmkit.delta import (
+from dlrmkit.live import (
     BASE_FILE,
     DeltaApplier,
     base_version,
     changes,
     delta_path,
-    fused_rows,
     read_delta,
     ready_sequences,
     target_for,
@@ -27,11 +26,11 @@ from dlrmkit.delta import (
 )
 from dlrmkit.config import DLRMConfig
 from dlrmkit.errors import ConfigError
-from dlrmkit.scale import EBC, fused_tables
+from dlrmkit.scale import EBC, TABLES, fused_rows, fused_tables
 from helpers import archive, batch, forward
 
 DTYPES = ("fp32", "fp16", "int8", "int4")
-TABLE = EBC + "embedding_bags.{}.weight"
+TABLE = TABLES + "{}.weight"
 
 
 def trained_further(model, seed: int = 7, rows: int = 5):
@@ -54,7 +53,7 @@ def diff(old, new, dense: bool = True):
     for key, w in b.items():
         if key.startswith(EBC):
             ids = torch.nonzero((w != a[key]).any(dim=1)).reshape(-1)
-            tables[key[len(EBC + "embedding_bags.") : -len(".weight")]] = (ids, w[ids])
+            tables[key[len(TABLES) : -len(".weight")]] = (ids, w[ids])
     rest = {k: v for k, v in b.items() if not k.startswith(EBC)} if dense else None
     return tables, rest
 
@@ -72,7 +71,7 @@ def served(tmp_path, model, dtype):
 def applier(tmp_path, model, dtype="fp32", name="dlrm", **cfg):
     live, factory, base = served(tmp_path, model, dtype)
     config = tiny_config(embedding_dtype=dtype, **cfg)
-    target = target_for(live, config, factory, name, base, False)
+    target = target_for(config, factory, name, base)
     return DeltaApplier(live, config, factory, tmp_path / "deltas", target, state_dir=tmp_path), base
 
 
@@ -178,7 +177,7 @@ def test_a_dense_delta_compiles_a_compiled_dense_half_again(tmp_path, model, mon
     config = tiny_config(dense_precision="bf16")
     live, line = dense_half.compile_dense(live, config, "bf16")
     assert isinstance(live, dense_half.ServedDLRM), line
-    target = target_for(live, config, factory, "dlrm", base, False)
+    target = target_for(config, factory, "dlrm", base)
     app = DeltaApplier(live, config, factory, tmp_path / "d", target, state_dir=tmp_path)
     new = trained_further(model)
     tables, params = diff(model, new)
@@ -228,6 +227,41 @@ def test_serving_holds_the_lock_and_yields_the_sequence(tmp_path, model):
     with app.serving() as seq:
         assert seq == 0 and app.lock.locked()
     assert not app.lock.locked()
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_a_batch_in_flight_sees_no_delta_unless_the_lock_is_off(tmp_path, model, guarded):
+    """The lock keeps a delta out of a batch in flight: with the kit's applier the tables do not move
+    while a batch holds ``serving``; with the test-only unguarded one (tests/unguarded.py, injected
+    as a subclass, which tests/test_delta_server.py's torn-score check must catch) they do."""
+    import threading
+
+    from helpers import wait_until
+    from unguarded import UnguardedApplier
+
+    live, factory, base = served(tmp_path, model, "fp32")
+    config = tiny_config()
+    kind = DeltaApplier if guarded else UnguardedApplier
+    app = kind(live, config, factory, tmp_path / "deltas", target_for(config, factory, "dlrm", base))
+    tables, _ = diff(model, trained_further(model), dense=False)
+    write_delta(app.directory, "dlrm", base, 1, tables)
+    fused_rows({"warm": torch.zeros(1, 8)}, "fp32")  # the first conversion's set-up, before the clock
+    before = table_bytes(app.model)
+
+    def moved() -> bool:
+        return not all(torch.equal(v, before[k]) for k, v in table_bytes(app.model).items())
+
+    with app.serving() as seq:
+        watcher = threading.Thread(target=app.catch_up)
+        watcher.start()
+        if guarded:
+            time.sleep(1.5)
+            assert not moved() and app.applied == 0
+        else:
+            assert wait_until(moved, bool, timeout=10)
+        assert seq == 0
+    watcher.join()
+    assert app.applied == 1 and moved()
 
 
 def test_config_keys():
@@ -350,7 +384,7 @@ def test_workers_share_one_writer_and_it_never_writes_the_side_a_worker_reads(tm
         dense, kjt = batch(64, seed=5)
         write_delta(a.directory, "dlrm", base, 1, deltas[0])
         wait_until(lambda: a.applied, lambda s: s == 1)
-        writer = a._child  # a's writes run in a process of its own, not in a thread beside its batches
+        writer = a.process.child  # a's writes run in a process of its own, not in a thread beside its batches
         assert writer is not None and writer.poll() is None and writer.pid != os.getpid()
         assert b.catch_up() == 1 and b.rows_applied == 0  # b wrote nothing: it reads a's writes
         torch.testing.assert_close(forward(b.model, dense, kjt), forward(a.model, dense, kjt))
@@ -372,7 +406,7 @@ def test_workers_share_one_writer_and_it_never_writes_the_side_a_worker_reads(tm
 
         # The writer's process is gone: its flock released, its state file naming a pid that exited
         a.stop()
-        os.close(a.shared._fd)
+        os.close(a.shared.fd)
         gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
         state = json.loads(a.state_file.read_text())
         a.state_file.write_text(json.dumps({**state, "pid": int(gone.stdout)}))
@@ -398,17 +432,17 @@ def test_the_writer_process_is_started_again_when_it_exits(tmp_path, model):
     a.catch_up()
     a.start()
     try:
-        first = wait_until(lambda: a._child, lambda c: c is not None)
+        first = wait_until(lambda: a.process.child, lambda c: c is not None)
         first.kill()
         first.wait()
         step = trained_further(model, seed=1, rows=3)
         write_delta(a.directory, "dlrm", base, 1, diff(model, step, dense=False)[0])
         assert wait_until(lambda: a.applied, lambda s: s == 1) == 1
-        assert a._child.pid != first.pid and a._child.poll() is None and a.shared.is_writer
+        assert a.process.child.pid != first.pid and a.process.child.poll() is None and a.shared.is_writer
         assert a.rows_applied == 3 * 3  # relayed from the new process: 3 rows in each of 3 tables
     finally:
         a.stop()
-    assert a._child.poll() is not None  # stopped with its worker
+    assert a.process.child.poll() is not None  # stopped with its worker
 
 
 def test_tables_mapped_read_only_take_deltas_into_the_shared_sides(tmp_path, monkeypatch):
@@ -435,7 +469,7 @@ def test_tables_mapped_read_only_take_deltas_into_the_shared_sides(tmp_path, mon
     monkeypatch.setattr(torch, "load", refuse)
     mapped = factory.load(path)
     monkeypatch.undo()
-    target = target_for(mapped, config, factory, "dlrm", before, False)
+    target = target_for(config, factory, "dlrm", before)
     shared = DeltaApplier(mapped, config, factory, tmp_path / "deltas", target, state_dir=tmp_path / "model")
     own = DeltaApplier(private, config, factory, tmp_path / "deltas", target)
     assert shared.shared is not None and own.shared is None

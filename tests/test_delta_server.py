@@ -2,7 +2,7 @@
 directory): deltas applied in order on every worker, bad ones refused with the model unchanged and
 the workers alive, a killed worker restarted with every delta, the sequence in the OIP metadata,
 the response header and the metrics, and no torn score under load, checked by a checker that is
-shown to catch the torn scores of a deliberately unguarded apply."""
+shown to catch the torn scores of a deliberately unguarded apply (tests/unguarded_handler.py)."""
 
 from __future__ import annotations
 
@@ -20,12 +20,13 @@ import torch
 import yaml
 
 from conftest import TINY
-from dlrmkit.delta import UNGUARDED_ENV, delta_path, write_delta
+from dlrmkit.live import delta_path, write_delta
 from bench.fakes import DeltaReferences
 from helpers import DENSE, instance, wait_until
 from scripts.tsctl import Server, get, post
 
 pytestmark = pytest.mark.integration
+TESTS = Path(__file__).resolve().parent
 
 IDS = [1, 2, 3, 5, 8]  # rows every delta rewrites in every table; one probe request per id
 REQUESTS = [json.dumps(instance(DENSE, feature_0=[i], feature_1=[i], feature_2=[i])).encode() for i in IDS]
@@ -39,7 +40,24 @@ def rows_delta(seed: int) -> dict:
     }
 
 
-def start(tmp, workers: int, dtype: str, env: dict | None = None):
+def with_handler(mar: Path, handler: str, *modules: str) -> None:
+    """The archive ``mar`` served by ``handler`` (a file of tests/) instead of dlrm_handler.py, which
+    stays in it for ``handler`` to subclass, shipped with ``modules`` (files of tests/)."""
+    with zipfile.ZipFile(mar) as z:
+        files = {n: z.read(n) for n in z.namelist()}
+    manifest = json.loads(files["MAR-INF/MANIFEST.json"])
+    manifest["model"]["handler"] = handler
+    files["MAR-INF/MANIFEST.json"] = json.dumps(manifest).encode()
+    for name in (handler, *modules):
+        files[name] = (TESTS / name).read_bytes()
+    with zipfile.ZipFile(mar, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+
+
+def start(tmp, workers: int, dtype: str, handler_file: str | None = None):
+    """A server of ``workers`` workers following ``tmp``/deltas; ``handler_file``: a test's handler file
+    (tests/unguarded_handler.py) instead of the kit's."""
     from scripts import build_mar
 
     handler = {**TINY, "embedding_dtype": dtype, "delta_dir": str(tmp / "deltas"), "delta_poll_s": 0.05}
@@ -59,14 +77,10 @@ def start(tmp, workers: int, dtype: str, env: dict | None = None):
     mar = build_mar.main(["--config", str(config), "--output-dir", str(tmp / "store"), "--force"])
     with zipfile.ZipFile(mar) as z:
         base = z.read("delta-base.txt").decode().strip()
+    if handler_file:
+        with_handler(mar, handler_file, "unguarded.py")
     srv = Server.on_free_ports(tmp / "home", model_store=tmp / "store")
-    saved = dict(os.environ)
-    os.environ.update(env or {})
-    try:
-        srv.start()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    srv.start()
     srv.wait_ready("dlrm", REQUESTS[0], timeout=240)
     srv.wait_workers_ready("dlrm", workers, timeout=240)
     return srv, DeltaReferences(mar, handler, tmp / "deltas", REQUESTS), base
@@ -181,7 +195,7 @@ def test_bad_deltas_are_refused_and_the_stream_resumes(live):
 
 
 def writer_processes() -> dict[int, int]:
-    """The shared tables' writer processes on this machine (dlrmkit.delta.writer_main): pid -> parent pid."""
+    """The shared tables' writer processes on this machine (dlrmkit.live.writer.writer_main): pid -> parent pid."""
     out = {}
     for p in Path("/proc").iterdir():
         try:
@@ -273,9 +287,9 @@ def test_no_torn_score_under_load(live):
 
 
 def test_the_torn_check_catches_an_unguarded_apply(tmp_path_factory):
-    """The same check against a server that applies without the lock, pausing between tables
-    (the test-only switch): it must find torn scores, or it proves nothing above."""
-    srv, refs, base = start(tmp_path_factory.mktemp("delta-torn"), 1, "fp32", {UNGUARDED_ENV: "0.3"})
+    """The same check against a server that applies without the lock, pausing between tables (the
+    test-only handler, tests/unguarded_handler.py): it must find torn scores, or it proves nothing above."""
+    srv, refs, base = start(tmp_path_factory.mktemp("delta-torn"), 1, "fp32", "unguarded_handler.py")
     try:
         got = load_during_deltas(srv, refs, base, 1, 4, 0.8)
         bad = torn(refs, got)

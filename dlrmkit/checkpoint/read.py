@@ -22,10 +22,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from dlrmkit.config import DLRMConfig
 from dlrmkit.errors import ConfigError
 from dlrmkit.model import DLRMFactory
+from dlrmkit.scale import TABLES
 
 PREFIXES = ("model.", "module.", "_dmp_wrapped_module.")
 PARTS = ("sparse_arch.", "dense_arch.", "inter_arch.", "over_arch.")  # a torchrec DLRM's children
-TABLES = "sparse_arch.embedding_bag_collection.embedding_bags."
 HOLDERS = ("model", "model_state_dict", "state_dict")  # where training scripts nest the state_dict
 
 

@@ -45,7 +45,7 @@ import org.pytorch.serve.wlm.WorkerThread;
 public final class OpenInferenceEndpoint extends ModelServerEndpoint {
     /** The archive's v2 description: inputs, outputs, max_batch_size (scripts/build_mar.py). */
     static final String METADATA_FILE = "oip-metadata.json";
-    static final String DELTA_STATE_DIR = "delta-state"; // dlrmkit/delta.py STATE_DIR
+    static final String DELTA_STATE_DIR = "delta-state"; // dlrmkit/live/applier.py STATE_DIR
 
     static final String[] EXTENSIONS = {"binary_tensor_data", "model_configuration"};
     private static final Gson GSON = new Gson();
