@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -292,7 +293,6 @@ def test_close_runs_when_torchserve_closes_the_workers_socket(tmp_path, archived
     code = f"""
 import socket, sys
 from pathlib import Path
-sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests")!r}]
 import dlrm_handler
 from conftest import FakeContext
 from helpers import wait_until
@@ -300,19 +300,21 @@ from ts.protocol.otf_message_handler import retrieve_msg
 
 close = dlrm_handler.TorchRecDLRMHandler.close
 def said(self):
-    watcher, writer, pool = self.deltas._thread, self.deltas._child, self.split_pool
+    watcher, writer, pool = self.deltas._thread, self.deltas.process.child, self.split_pool
     close(self)
     print("closed:", watcher.is_alive(), writer.poll() is not None, pool._shutdown, flush=True)
 dlrm_handler.TorchRecDLRMHandler.close = said
 dlrm_handler.available_cpus = lambda: 3
 h = dlrm_handler.TorchRecDLRMHandler()
 h.initialize(FakeContext(Path({str(tmp_path)!r}), {lifecycle_section(tmp_path)!r}))
-wait_until(lambda: h.deltas._child, lambda child: child is not None)
-print("serving", h.deltas._child.pid, flush=True)
+wait_until(lambda: h.deltas.process.child, lambda child: child is not None)
+print("serving", h.deltas.process.child.pid, flush=True)
 frontend, worker = socket.socketpair()
 frontend.close()
 retrieve_msg(worker)
 """
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}  # conftest, helpers; the kit is installed
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "serving" in run.stdout and run.stdout.rstrip().endswith("closed: False True True"), run.stdout

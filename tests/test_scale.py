@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -280,7 +281,6 @@ def test_sizing_script(tmp_path):
 
 SERVE_BIG = textwrap.dedent("""
     import json, sys
-    sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
     import torch
     from conftest import FakeContext, call
     def hwm():  # this process's peak RSS (ru_maxrss would include the parent's: kept across exec)
@@ -307,7 +307,6 @@ def test_ten_million_row_int8_table_is_served_without_its_fp32_copy(tmp_path):
     # The build (in a child, so its fp32 tables never count here) writes the int8 archive.
     subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
         import sys, json, torch
-        sys.path[:0] = [{str(ROOT)!r}]
         from dlrmkit.config import DLRMConfig
         from dlrmkit.model import DLRMFactory
         f = DLRMFactory(DLRMConfig.from_dict(json.loads({json.dumps(section)!r})))
@@ -317,7 +316,8 @@ def test_ten_million_row_int8_table_is_served_without_its_fp32_copy(tmp_path):
     int8_table = table_bytes(rows, cfg.embedding_dim, "int8")
     assert (tmp_path / "dlrm.pt").stat().st_size >= int8_table
     res = subprocess.run([sys.executable, "-c", SERVE_BIG, str(ROOT), str(tmp_path), json.dumps(section)],
-                         check=True, capture_output=True, text=True)
+                         check=True, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})  # conftest; the kit is installed
     report = json.loads(res.stdout.strip().splitlines()[-1])
     assert report["statuses"] == {"1": 400}
     assert 0 < report["out"][0]["score"] < 1
