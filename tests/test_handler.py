@@ -273,7 +273,7 @@ def test_close_stops_the_split_pool_the_live_watcher_and_its_writer_process(tmp_
     big = body({"instances": [instance([k] * 5, feature_0=[k]) for k in range(7)]})
     out, ctx = call(h, [big], section)  # parts on the pool: its threads start
     assert ctx.statuses == {} and len(json.loads(out[0])["scores"]) == 7
-    writer = wait_until(lambda: h.deltas._child, lambda child: child is not None)
+    writer = wait_until(lambda: h.deltas.process.child, lambda child: child is not None)
     assert writer is not None and writer.poll() is None
     helpers = [t for t in threading.enumerate() if t not in before]  # this handler's (the pool's start when used)
     assert {t.name.split("_")[0] for t in helpers} == {"dlrm-delta-watcher", "dlrm-split"}, helpers
