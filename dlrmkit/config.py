@@ -7,7 +7,7 @@ the whole file to the handler as ``context.model_yaml_config``; this module owns
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -35,8 +35,73 @@ REMOVED = {
 
 
 @dataclass(frozen=True)
+class Build:
+    """What the archive is built with (scripts/build_mar.py), and the worker then holds."""
+
+    seed: int = 0  # seeds the random weights the build script makes when no checkpoint is given
+    # How the archive stores the tables and the worker holds them, all in fbgemm's fused
+    # table-batched kernel: fp32, or quantized (fp16 2x, int8 ~3.2x, int4 ~5x smaller at D=64).
+    embedding_dtype: str = "fp32"
+    # How the dense half (bottom MLP, interaction, top MLP) runs on CPU (dlrmkit/dense.py): fp32 as
+    # always, or bf16 / int8 compiled by Inductor under the accuracy contract build_mar --verify checks.
+    dense_precision: str = "fp32"
+    # Which checkpoint table serves which feature when the names are neither <feature> nor
+    # t_<feature> (scripts/build_mar.py --checkpoint): (feature, table) pairs, from a list in
+    # sparse_features order or a mapping feature -> table. The archive names tables after features.
+    table_names: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Requests:
+    """What a worker checks and answers per request."""
+
+    output: str = "probability"  # sigmoid(logit), or the raw logit
+    id_overflow: str = "error"  # an id >= rows: 400, or id % rows (the hashing trick)
+    max_instances_per_request: int = 4096
+    max_ids_per_request: int = 65536
+
+
+@dataclass(frozen=True)
+class RawInput:
+    """The Criteo transform. criteo_tsv: a text/tab-separated-values request is Criteo log lines,
+    transformed in the handler as torchrec's tsv_to_npys did for training (dlrmkit/criteo.py): dense
+    ln(x + dense_shift), with dense_shift = 2 - (the training file's minimum dense value); ids by
+    ``requests.id_overflow``. None, None: JSON requests only."""
+
+    raw_input: str | None = None
+    dense_shift: float | None = None
+
+
+@dataclass(frozen=True)
+class Threads:
+    """How a worker spends its CPUs."""
+
+    torch_threads: int = 0  # intra-op threads per worker; 0 = the worker's share of the cores
+    # A forward of more than this many rows runs as parts of about this many rows, at once, on
+    # threads of the worker (each part on torch_threads; at most one part per torch_threads CPUs
+    # the process may use): the CPUs the worker alone would leave idle score its large query. 0 = never.
+    split_rows: int = 0
+
+
+@dataclass(frozen=True)
+class Live:
+    """Live updates (dlrmkit/delta.py, docs/live-updates.md): a directory of deltas (a volume shared
+    by the replicas) that every worker follows, polling every delta_poll_s seconds; None: off."""
+
+    delta_dir: str | None = None
+    delta_poll_s: float = 0.5
+
+
+# DLRMConfig's group fields -> their classes. The YAML stays flat: every group field is a
+# ``handler.<key>`` of its own name, and from_dict distributes the keys.
+GROUPS: dict[str, type] = {"build": Build, "requests": Requests, "raw": RawInput, "threads": Threads, "live": Live}
+
+
+@dataclass(frozen=True)
 class DLRMConfig:
-    """A DLRM's layout plus the request rules that depend on it.
+    """A DLRM's layout (top-level), plus by concern: how it is built (``build``), what a worker
+    checks per request (``requests``), the Criteo transform (``raw``), its threads (``threads``)
+    and live updates (``live``).
 
     F sparse features, one embedding table each (``num_embeddings[f]`` rows of D floats);
     ``num_dense_features`` floats per row go through the dense arch, whose last size must be D.
@@ -53,40 +118,16 @@ class DLRMConfig:
     dense_arch_layer_sizes: tuple[int, ...]
     over_arch_layer_sizes: tuple[int, ...]
     pooling: str = "sum"
-    seed: int = 0  # seeds the random weights the build script makes when no checkpoint is given
-    output: str = "probability"  # sigmoid(logit), or the raw logit
-    id_overflow: str = "error"  # an id >= rows: 400, or id % rows (the hashing trick)
-    max_instances_per_request: int = 4096
-    max_ids_per_request: int = 65536
-    torch_threads: int = 0  # intra-op threads per worker; 0 = the worker's share of the cores
-    # A forward of more than this many rows runs as parts of about this many rows, at once, on
-    # threads of the worker (each part on torch_threads; at most one part per torch_threads CPUs
-    # the process may use): the CPUs the worker alone would leave idle score its large query. 0 = never.
-    split_rows: int = 0
-    # How the archive stores the tables and the worker holds them, all in fbgemm's fused
-    # table-batched kernel: fp32, or quantized (fp16 2x, int8 ~3.2x, int4 ~5x smaller at D=64).
-    embedding_dtype: str = "fp32"
-    # How the dense half (bottom MLP, interaction, top MLP) runs on CPU (dlrmkit/dense.py): fp32 as
-    # always, or bf16 / int8 compiled by Inductor under the accuracy contract build_mar --verify checks.
-    dense_precision: str = "fp32"
     interaction: str = "dot"  # dot | dcn | projection
     dcn_num_layers: int | None = None  # dcn only: cross layers
     dcn_low_rank_dim: int | None = None  # dcn only: rank of each layer's W V factorisation
     interaction_branch1_layer_sizes: tuple[int, ...] | None = None  # projection only; last = F1 x D
     interaction_branch2_layer_sizes: tuple[int, ...] | None = None  # projection only; last = F2 x D
-    # Which checkpoint table serves which feature when the names are neither <feature> nor
-    # t_<feature> (scripts/build_mar.py --checkpoint): (feature, table) pairs, from a list in
-    # sparse_features order or a mapping feature -> table. The archive names tables after features.
-    table_names: tuple[tuple[str, str], ...] = ()
-    # criteo_tsv: a text/tab-separated-values request is Criteo log lines, transformed in the
-    # handler as torchrec's tsv_to_npys did for training (dlrmkit/criteo.py): dense ln(x + dense_shift),
-    # with dense_shift = 2 - (the training file's minimum dense value); ids by id_overflow.
-    raw_input: str | None = None
-    dense_shift: float | None = None
-    # Live updates (dlrmkit/live/, docs/live-updates.md): a directory of deltas (a volume shared by
-    # the replicas) that every worker follows, polling every delta_poll_s seconds; None: off.
-    delta_dir: str | None = None
-    delta_poll_s: float = 0.5
+    build: Build = field(default_factory=Build)
+    requests: Requests = field(default_factory=Requests)
+    raw: RawInput = field(default_factory=RawInput)
+    threads: Threads = field(default_factory=Threads)
+    live: Live = field(default_factory=Live)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None) -> DLRMConfig:
@@ -99,26 +140,20 @@ class DLRMConfig:
         removed = next((key for key in raw if key in REMOVED), None)
         if removed is not None:
             raise ConfigError(f"handler.{removed}: removed; {REMOVED[removed]}")
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = set(KEYS)
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ConfigError(
-                f"handler.{unknown[0]}: unknown key; valid keys are {', '.join(sorted(known))}"
-            )
+            raise ConfigError(f"handler.{unknown[0]}: unknown key; valid keys are {', '.join(sorted(known))}")
         missing = [
             f.name
             for f in dataclasses.fields(cls)
-            if f.default is dataclasses.MISSING and f.name not in raw
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in raw
         ]
         if missing:
             raise ConfigError(f"handler.{missing[0]}: required key is missing")
 
         names = raw["sparse_features"]
-        if (
-            not isinstance(names, list)
-            or not names
-            or not all(isinstance(n, str) and n and n.isascii() for n in names)
-        ):
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) and n and n.isascii() for n in names):
             raise ConfigError(
                 "handler.sparse_features: expected a non-empty list of ASCII names, "
                 f"got {names!r} (e.g. sparse_features: [feature_0, feature_1])"
@@ -151,49 +186,26 @@ class DLRMConfig:
                 "handler.over_arch_layer_sizes: expected at least two sizes ending in 1 (one score "
                 f"per row), got {list(over_sizes)} (e.g. [32, 16, 1])"
             )
-
-        values = dict(raw)
-        values.update(
-            num_dense_features=_positive_int(raw["num_dense_features"], "num_dense_features", "5"),
+        _choice(raw, "pooling", POOLINGS)
+        num_dense = _positive_int(raw["num_dense_features"], "num_dense_features", "5")
+        requests, build = _requests(raw), _build(raw, names, dim)
+        variant = _interaction(raw, dim)
+        return cls(
+            num_dense_features=num_dense,
             sparse_features=tuple(names),
             num_embeddings=rows_t,
             embedding_dim=dim,
             dense_arch_layer_sizes=dense_sizes,
             over_arch_layer_sizes=over_sizes,
+            pooling=raw.get("pooling", "sum"),
+            interaction=raw.get("interaction", "dot"),
+            **variant,
+            build=build,
+            requests=requests,
+            threads=_threads(raw),
+            raw=_raw_input(raw, len(names)),
+            live=_live(raw),
         )
-        for key, choices in (("pooling", POOLINGS), ("output", OUTPUTS), ("id_overflow", ID_OVERFLOW),
-                             ("embedding_dtype", EMBEDDING_DTYPES), ("dense_precision", DENSE_PRECISIONS)):
-            if key in raw and raw[key] not in choices:
-                raise ConfigError(
-                    f"handler.{key}: expected one of {', '.join(choices)}, got {raw[key]!r}"
-                )
-        if values.get("embedding_dtype") == "int4" and dim % 2:
-            raise ConfigError(
-                f"handler.embedding_dtype: int4 packs two values per byte and needs an even embedding_dim, "
-                f"got {dim} (e.g. embedding_dtype: int8)"
-            )
-        values.update(_interaction(raw, dim))
-        if "seed" in raw and (not isinstance(raw["seed"], int) or isinstance(raw["seed"], bool)):
-            raise ConfigError(f"handler.seed: expected an integer, got {raw['seed']!r} (e.g. seed: 0)")
-        for key, example in (("max_instances_per_request", "4096"), ("max_ids_per_request", "65536")):
-            if key in raw:
-                values[key] = _positive_int(raw[key], key, example)
-        for key, expected, example in (("torch_threads", "0 (auto) or a positive integer", "0"),
-                                       ("split_rows", "0 (never) or a positive number of rows", "350")):
-            value = raw.get(key, 0)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"handler.{key}: expected {expected}, got {value!r} (e.g. {key}: {example})")
-        if "table_names" in raw:
-            values["table_names"] = _table_names(raw["table_names"], names)
-        values.update(_raw_input(raw, len(names)))
-        if raw.get("delta_dir") is not None and (not isinstance(raw["delta_dir"], str) or not raw["delta_dir"]):
-            raise ConfigError(f"handler.delta_dir: expected a directory path, got {raw['delta_dir']!r} "
-                              "(e.g. delta_dir: /deltas/dlrm)")
-        poll = raw.get("delta_poll_s", 0.5)
-        if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not 0.01 <= poll <= 3600:
-            raise ConfigError(f"handler.delta_poll_s: expected seconds between 0.01 and 3600, got {poll!r} "
-                              "(e.g. delta_poll_s: 0.5)")
-        return cls(**values)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> DLRMConfig:
@@ -207,10 +219,102 @@ class DLRMConfig:
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
         return cls.from_dict((doc or {}).get("handler") if isinstance(doc, dict) else None)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The flat ``handler:`` mapping this config is read from (``from_dict(c.to_dict()) == c``):
+        lists for tuples, ``table_names`` as a mapping, keys left at None left out."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in GROUPS:
+                out.update((g.name, getattr(value, g.name)) for g in dataclasses.fields(value))
+            else:
+                out[f.name] = value
+        out["table_names"] = dict(self.build.table_names)
+        return {key: _plain(value) for key, value in out.items() if value is not None and value != {}}
+
+    def with_changes(self, **changes: Any) -> DLRMConfig:
+        """This config with some flat ``handler:`` keys changed, validated again as from_dict does
+        (``config.with_changes(split_rows=4, embedding_dtype="int8")``)."""
+        return DLRMConfig.from_dict({**self.to_dict(), **{key: _plain(value) for key, value in changes.items()}})
+
     @property
     def num_features(self) -> int:
         """F, the number of sparse features (and embedding tables)."""
         return len(self.sparse_features)
+
+
+# Every flat ``handler:`` key, in DLRMConfig's order: the layout's, then each group's.
+KEYS = tuple(
+    g.name
+    for f in dataclasses.fields(DLRMConfig)
+    for g in (dataclasses.fields(GROUPS[f.name]) if f.name in GROUPS else (f,))
+)
+
+
+def _plain(value: Any) -> Any:
+    """A config value as YAML holds it: tuples as lists (table_names' pairs as a mapping)."""
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _choice(raw: Mapping[str, Any], key: str, choices: tuple[str, ...]) -> None:
+    if key in raw and raw[key] not in choices:
+        raise ConfigError(f"handler.{key}: expected one of {', '.join(choices)}, got {raw[key]!r}")
+
+
+def _requests(raw: Mapping[str, Any]) -> Requests:
+    """``output``, ``id_overflow`` and the per-request limits."""
+    _choice(raw, "output", OUTPUTS)
+    _choice(raw, "id_overflow", ID_OVERFLOW)
+    values: dict[str, Any] = {key: raw[key] for key in ("output", "id_overflow") if key in raw}
+    for key, example in (("max_instances_per_request", "4096"), ("max_ids_per_request", "65536")):
+        if key in raw:
+            values[key] = _positive_int(raw[key], key, example)
+    return Requests(**values)
+
+
+def _build(raw: Mapping[str, Any], features: list[str], dim: int) -> Build:
+    """``seed``, ``embedding_dtype``, ``dense_precision`` and ``table_names``."""
+    _choice(raw, "embedding_dtype", EMBEDDING_DTYPES)
+    _choice(raw, "dense_precision", DENSE_PRECISIONS)
+    if raw.get("embedding_dtype") == "int4" and dim % 2:
+        raise ConfigError(
+            f"handler.embedding_dtype: int4 packs two values per byte and needs an even embedding_dim, "
+            f"got {dim} (e.g. embedding_dtype: int8)"
+        )
+    if "seed" in raw and (not isinstance(raw["seed"], int) or isinstance(raw["seed"], bool)):
+        raise ConfigError(f"handler.seed: expected an integer, got {raw['seed']!r} (e.g. seed: 0)")
+    values: dict[str, Any] = {key: raw[key] for key in ("seed", "embedding_dtype", "dense_precision") if key in raw}
+    if "table_names" in raw:
+        values["table_names"] = _table_names(raw["table_names"], features)
+    return Build(**values)
+
+
+def _threads(raw: Mapping[str, Any]) -> Threads:
+    """``torch_threads`` and ``split_rows``: 0 or a positive integer each."""
+    for key, expected, example in (
+        ("torch_threads", "0 (auto) or a positive integer", "0"),
+        ("split_rows", "0 (never) or a positive number of rows", "350"),
+    ):
+        value = raw.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"handler.{key}: expected {expected}, got {value!r} (e.g. {key}: {example})")
+    return Threads(torch_threads=raw.get("torch_threads", 0), split_rows=raw.get("split_rows", 0))
+
+
+def _live(raw: Mapping[str, Any]) -> Live:
+    """``delta_dir`` (None: off) and ``delta_poll_s``."""
+    if raw.get("delta_dir") is not None and (not isinstance(raw["delta_dir"], str) or not raw["delta_dir"]):
+        raise ConfigError(
+            f"handler.delta_dir: expected a directory path, got {raw['delta_dir']!r} (e.g. delta_dir: /deltas/dlrm)"
+        )
+    poll = raw.get("delta_poll_s", 0.5)
+    if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not 0.01 <= poll <= 3600:
+        raise ConfigError(
+            f"handler.delta_poll_s: expected seconds between 0.01 and 3600, got {poll!r} (e.g. delta_poll_s: 0.5)"
+        )
+    return Live(delta_dir=raw.get("delta_dir"), delta_poll_s=poll)
 
 
 def _interaction(raw: Mapping[str, Any], dim: int) -> dict[str, Any]:
@@ -229,8 +333,11 @@ def _interaction(raw: Mapping[str, Any], dim: int) -> dict[str, Any]:
                     f"(drop it, or set interaction: {other})"
                 )
     # torchrec's example defaults (dcn 3 / 512, MLPerf DLRMv2's too); branch sizes fitted to D
-    examples = {"dcn_num_layers": "3", "dcn_low_rank_dim": "512",
-                **dict.fromkeys(INTERACTIONS["projection"], f"[{4 * dim}, {2 * dim}]")}
+    examples = {
+        "dcn_num_layers": "3",
+        "dcn_low_rank_dim": "512",
+        **dict.fromkeys(INTERACTIONS["projection"], f"[{4 * dim}, {2 * dim}]"),
+    }
     for key in own:
         if key not in raw:
             raise ConfigError(f"handler.{key}: required with interaction: {kind} (e.g. {key}: {examples[key]})")
@@ -249,28 +356,35 @@ def _interaction(raw: Mapping[str, Any], dim: int) -> dict[str, Any]:
     return out
 
 
-def _raw_input(raw: Mapping[str, Any], num_sparse: int) -> dict[str, Any]:
+def _raw_input(raw: Mapping[str, Any], num_sparse: int) -> RawInput:
     """``raw_input`` and its ``dense_shift``: both or neither, fitting a Criteo line's layout."""
     kind, shift = raw.get("raw_input"), raw.get("dense_shift")
     fit = "scripts/build_mar.py --fit-dense-shift day_0.tsv --write-config model-config.yaml"
     if kind is None:
         if shift is not None:
-            raise ConfigError("handler.dense_shift: only used with raw_input: criteo_tsv (drop it, or set "
-                              "raw_input: criteo_tsv)")
-        return {}
+            raise ConfigError(
+                "handler.dense_shift: only used with raw_input: criteo_tsv (drop it, or set raw_input: criteo_tsv)"
+            )
+        return RawInput()
     if kind not in RAW_INPUTS:
-        raise ConfigError(f"handler.raw_input: expected one of {', '.join(RAW_INPUTS)}, got {kind!r} "
-                          "(e.g. raw_input: criteo_tsv)")
+        raise ConfigError(
+            f"handler.raw_input: expected one of {', '.join(RAW_INPUTS)}, got {kind!r} (e.g. raw_input: criteo_tsv)"
+        )
     if raw["num_dense_features"] != 13 or num_sparse != 26:
-        raise ConfigError(f"handler.raw_input: criteo_tsv needs a Criteo line's layout, num_dense_features: 13 "
-                          f"and 26 sparse_features, got {raw['num_dense_features']!r} and {num_sparse}")
+        raise ConfigError(
+            f"handler.raw_input: criteo_tsv needs a Criteo line's layout, num_dense_features: 13 "
+            f"and 26 sparse_features, got {raw['num_dense_features']!r} and {num_sparse}"
+        )
     if shift is None:
-        raise ConfigError(f"handler.dense_shift: required with raw_input: criteo_tsv (2 - the training data's "
-                          f"minimum dense value, e.g. dense_shift: 3; fit it with {fit})")
+        raise ConfigError(
+            f"handler.dense_shift: required with raw_input: criteo_tsv (2 - the training data's "
+            f"minimum dense value, e.g. dense_shift: 3; fit it with {fit})"
+        )
     if isinstance(shift, bool) or not isinstance(shift, (int, float)) or not abs(shift) < 2**31:
-        raise ConfigError(f"handler.dense_shift: expected a finite number, got {shift!r} (e.g. dense_shift: 3; "
-                          f"fit it with {fit})")
-    return {"raw_input": kind, "dense_shift": shift}
+        raise ConfigError(
+            f"handler.dense_shift: expected a finite number, got {shift!r} (e.g. dense_shift: 3; fit it with {fit})"
+        )
+    return RawInput(raw_input=kind, dense_shift=shift)
 
 
 def _positive_int(value: Any, key: str, example: str) -> int:
@@ -319,5 +433,7 @@ def _table_names(value: Any, features: list[str]) -> tuple[tuple[str, str], ...]
     tables = [t for _, t in pairs]
     dup = next((t for t in tables if tables.count(t) > 1), None)
     if dup is not None:
-        raise ConfigError(f"handler.table_names: table {dup!r} is named for two features; each feature has its own table")
+        raise ConfigError(
+            f"handler.table_names: table {dup!r} is named for two features; each feature has its own table"
+        )
     return tuple(pairs)
