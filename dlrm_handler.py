@@ -120,7 +120,7 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         self.device = devices[0]
         # maxWorkers when the config pins it, else the CPU rule's count (tsctl starts that many)
         workers = (context.model_yaml_config or {}).get("maxWorkers")
-        torch.set_num_threads(torch_threads(self.config.torch_threads, workers))
+        torch.set_num_threads(torch_threads(self.config.threads.torch_threads, workers))
         self.threads, self.cpus = torch.get_num_threads(), available_cpus()
         return devices
 
@@ -137,15 +137,15 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
     def _start_split_pool(self) -> None:
         """handler.split_rows: a large forward's parts run at once, on the pool's threads and this one."""
         self.split_parts = split_parts(self.threads, self.cpus) if self.device.type == "cpu" else 1
-        if self.config.split_rows and self.split_parts > 1:
+        if self.config.threads.split_rows and self.split_parts > 1:
             # each pool thread on the worker's own thread count (OpenMP's count is per calling thread)
             self.split_pool = ThreadPoolExecutor(
                 self.split_parts - 1, "dlrm-split", torch.set_num_threads, (self.threads,)
             )
-        elif self.config.split_rows:
+        elif self.config.threads.split_rows:
             logger.warning(
                 "handler.split_rows %d: nothing to split onto (%s): every forward runs whole",
-                self.config.split_rows,
+                self.config.threads.split_rows,
                 f"{self.cpus} CPU(s), {self.threads} torch thread(s) per part"
                 if self.device.type == "cpu"
                 else f"the model is on {self.device}",
@@ -168,10 +168,10 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
             c.num_dense_features,
             c.num_features,
             sum(c.num_embeddings),
-            c.embedding_dtype,
-            c.output,
+            c.build.embedding_dtype,
+            c.requests.output,
             self.threads,
-            f"; a forward of more than {c.split_rows} rows split into up to {self.split_parts} parts at once"
+            f"; a forward of more than {c.threads.split_rows} rows split into up to {self.split_parts} parts at once"
             if self.split_pool
             else "",
             ", ".join(frozen) or "nothing",

@@ -91,7 +91,7 @@ def bench_handler(handler, cfg, seconds: float) -> list[dict]:
     """Whole handle() per batch, plus the same core stages timed one by one."""
     rng = random.Random(2)
     # 10 x 128 rows: as TorchServe batches ranking requests at c=16 (~10 per batch, section 3)
-    raw = ((1, CRITEO_TSV),) if cfg.raw_input == "criteo_tsv" else ()
+    raw = ((1, CRITEO_TSV),) if cfg.raw.raw_input == "criteo_tsv" else ()
     points = ((1, 1), (1, RANKING_ROWS), (1, RANKING), (1, COLUMNS), (1, COLUMNS_ALL), *raw, (1, V2_BINARY),
               (32, 1), (32, RANKING_ROWS), (10, RANKING), (10, COLUMNS))
     return [handler_point(handler, cfg, n_req, kind, [make_kind(kind, cfg, rng) for _ in range(n_req)], seconds)

@@ -131,7 +131,7 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
             # below min queries / max seconds a rate cannot reach LoadGen's query count: INVALID by the cap
             found = mlperf.search(run_at, start, steps=args.steps, floor=args.min_queries / args.max_seconds)
             workers = len(srv.worker_pids(name))
-            most = split_parts(torch_threads(cfg.torch_threads, workers))
+            most = split_parts(torch_threads(cfg.threads.torch_threads, workers))
             profile = query_profile(srv, name, url, pool, model, cfg, args.form, args.profile_reps, most)
         after = host.measure(HOST_BATCH, args.host_seconds)
         stock_after = stock.measure(HOST_BATCH, args.host_seconds) if stock else None
@@ -275,7 +275,7 @@ def query_profile(
             row = {
                 "pairs": q.pairs,
                 "requests": len(reqs),
-                "server_parts": len(row_spans(-(-q.pairs // len(reqs)), cfg.split_rows, split_most)),
+                "server_parts": len(row_spans(-(-q.pairs // len(reqs)), cfg.threads.split_rows, split_most)),
                 "reps": reps,
                 "client_ms": round(statistics.median(client), 2),
             }

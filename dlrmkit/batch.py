@@ -111,7 +111,7 @@ def _collate(
     over = values >= limit
     remapped = 0
     if over.any():
-        if config.id_overflow != "modulo":
+        if config.requests.id_overflow != "modulo":
             return None, _out_of_range_errors(requests, config, np.flatnonzero(over), values[over])
         remapped = int(over.sum())
         values = np.remainder(values, limit)
@@ -230,7 +230,7 @@ def rows_of(kjt: KeyedJaggedTensor, start: int, end: int) -> KeyedJaggedTensor:
 def _logits(model: torch.nn.Module, dense: torch.Tensor, sparse: KeyedJaggedTensor, config: DLRMConfig):
     with torch.inference_mode():  # per thread: a part on the pool's thread needs its own
         logits = model(dense, sparse).squeeze(1)
-        if config.output == "probability":
+        if config.requests.output == "probability":
             logits = torch.sigmoid(logits)
         return logits.float().cpu()
 
@@ -240,11 +240,11 @@ def scores(
 ) -> list[list[float]]:
     """Forward the whole batch once; split its scores back per request.
 
-    With ``pool`` and more than ``config.split_rows`` rows, the forward runs as ``row_spans``'
+    With ``pool`` and more than ``config.threads.split_rows`` rows, the forward runs as ``row_spans``'
     parts (at most ``parts``) at once: the first on this thread, the others on the pool's. Each row
     is scored on its own, so the parts' scores are the whole forward's (up to the rounding of
     another GEMM blocking where a part's size differs)."""
-    if pool is None or len(spans := row_spans(batch.dense.shape[0], config.split_rows, parts)) == 1:
+    if pool is None or len(spans := row_spans(batch.dense.shape[0], config.threads.split_rows, parts)) == 1:
         logits = _logits(model, batch.dense, batch.sparse, config)
     else:
         later = [pool.submit(_logits, model, batch.dense[a:b], rows_of(batch.sparse, a, b), config) for a, b in spans[1:]]

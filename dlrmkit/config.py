@@ -85,7 +85,7 @@ class Threads:
 
 @dataclass(frozen=True)
 class Live:
-    """Live updates (dlrmkit/delta.py, docs/live-updates.md): a directory of deltas (a volume shared
+    """Live updates (dlrmkit/live/, docs/live-updates.md): a directory of deltas (a volume shared
     by the replicas) that every worker follows, polling every delta_poll_s seconds; None: off."""
 
     delta_dir: str | None = None

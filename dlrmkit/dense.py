@@ -331,9 +331,9 @@ def _compile(model, config, precision, calibration, warm_rows) -> tuple[nn.Modul
 
 
 def prepare(model: nn.Module, config, model_dir: str | Path, devices: list) -> tuple[nn.Module, str]:
-    """What the worker serves: ``model`` with its dense half at ``config.dense_precision``
+    """What the worker serves: ``model`` with its dense half at ``config.build.dense_precision``
     (the archive's calibration inputs for static int8), and the line saying what runs."""
-    precision = config.dense_precision
+    precision = config.build.dense_precision
     if precision == "fp32":
         return model, "fp32"
     if len(devices) != 1 or devices[0].type != "cpu":

@@ -98,9 +98,9 @@ class RequestParser:
 
     def _check_sizes(self, rows: Sequence[Any], name: str, shared_ids: int) -> None:
         c = self.config
-        if len(rows) > c.max_instances_per_request:
+        if len(rows) > c.requests.max_instances_per_request:
             raise PayloadTooLarge(
-                f"{name}: at most {c.max_instances_per_request} instances per request "
+                f"{name}: at most {c.requests.max_instances_per_request} instances per request "
                 f"(handler.max_instances_per_request), got {len(rows)}"
             )
         if len(rows) == 1:  # the common single-row request: no iterator chain
@@ -112,9 +112,9 @@ class RequestParser:
                 + sum(map(len, map(_VALUES, filter(None, map(_SPARSE, rows)))))
                 + sum(map(len, filter(None, map(_ID_VALUES, rows))))
             )
-        if n_ids > c.max_ids_per_request:
+        if n_ids > c.requests.max_ids_per_request:
             raise PayloadTooLarge(
-                f"sparse.values: at most {c.max_ids_per_request} ids per request "
+                f"sparse.values: at most {c.requests.max_ids_per_request} ids per request "
                 f"(handler.max_ids_per_request), got {n_ids}"
             )
 
@@ -294,15 +294,15 @@ class RequestParser:
             )
         if n == 0:
             raise BadRequest(f"{n_field}: expected at least one row, got []")
-        if n > c.max_instances_per_request:
+        if n > c.requests.max_instances_per_request:
             raise PayloadTooLarge(
-                f"{n_field}: at most {c.max_instances_per_request} rows per request "
+                f"{n_field}: at most {c.requests.max_instances_per_request} rows per request "
                 f"(handler.max_instances_per_request), got {n}"
             )
         n_ids = sum(len(bag.values) for bag in sparse.values()) + n * len(ctx.values)
-        if n_ids > c.max_ids_per_request:
+        if n_ids > c.requests.max_ids_per_request:
             raise PayloadTooLarge(
-                f"columns.sparse: at most {c.max_ids_per_request} ids per request "
+                f"columns.sparse: at most {c.requests.max_ids_per_request} ids per request "
                 f"(handler.max_ids_per_request), got {n_ids}"
             )
         if cols.dense is not None:

@@ -107,7 +107,7 @@ class DLRMFactory:
         network or projection branches, top MLP) is redrawn too, so the seed alone fixes them.
         """
         c = self.config
-        gen = torch.Generator().manual_seed(c.seed if seed is None else seed)
+        gen = torch.Generator().manual_seed(c.build.seed if seed is None else seed)
         model = self.build("cpu")
         with torch.no_grad():
             for part in (model.dense_arch, model.inter_arch, model.over_arch):
@@ -143,11 +143,11 @@ class DLRMFactory:
         loading never sees fp32 tables."""
         state = model.state_dict()
         rows = fused_rows({k[len(TABLES) : -len(".weight")]: v for k, v in state.items() if k.startswith(TABLES)},
-                          self.config.embedding_dtype)
+                          self.config.build.embedding_dtype)
         tables = {f"{TABLES}{t}.weight": r for t, r in rows.items()}
         dense = {k: v for k, v in state.items() if not k.startswith(EBC)}
         # in the order the archives always had (the same file, so the same base_version)
-        return {**dense, **tables} if self.config.embedding_dtype == "fp32" else {**tables, **dense}
+        return {**dense, **tables} if self.config.build.embedding_dtype == "fp32" else {**tables, **dense}
 
     def load(self, weights: str | Path, device: torch.device | str | list = "cpu") -> torch.nn.Module:
         """The DLRM with archived weights, in eval mode; ``device`` may be a list of devices.
@@ -161,7 +161,7 @@ class DLRMFactory:
         across them (``dlrmkit.scale.shard``), the dense part runs on the first.
         """
         devices = [torch.device(d) for d in (device if isinstance(device, (list, tuple)) else [device])]
-        dtype, sharded = self.config.embedding_dtype, len(devices) > 1
+        dtype, sharded = self.config.build.embedding_dtype, len(devices) > 1
         # a dict of tensors: check_state_dict proves it before anything is taken from it
         state = cast(dict[str, torch.Tensor], _read(weights))
         home = torch.device("cpu") if sharded else devices[0]
@@ -241,7 +241,7 @@ class DLRMFactory:
             if isinstance(got, torch.Tensor) and got.dtype != want.dtype:
                 raise ConfigError(
                     f"checkpoint: {what} holds {str(got.dtype)[6:]} values, handler.embedding_dtype "
-                    f"{self.config.embedding_dtype} stores {str(want.dtype)[6:]}; build the archive with this "
+                    f"{self.config.build.embedding_dtype} stores {str(want.dtype)[6:]}; build the archive with this "
                     f"config (scripts/build_mar.py --checkpoint takes the fp32 state_dict)"
                 )
             if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
@@ -253,7 +253,7 @@ class DLRMFactory:
                     f"checkpoint: {what} has shape {shape}, the config expects {list(want.shape)}"
                     + (f" (num_embeddings x {unit})" if key.startswith(TABLES) else "")
                     + (f"; was the archive built for another handler.embedding_dtype than "
-                       f"{self.config.embedding_dtype}?" if other_dtype else "")
+                       f"{self.config.build.embedding_dtype}?" if other_dtype else "")
                 )
         extra = sorted(set(state) - set(expected))
         if extra:

@@ -82,20 +82,20 @@ class CriteoLines(Predictions):
 
     def parse(self) -> ParsedRequest:
         c = self.parser.config
-        if c.raw_input != "criteo_tsv":
+        if c.raw.raw_input != "criteo_tsv":
             raise BadRequest(f"Content-Type: {criteo.CONTENT_TYPE} is Criteo log lines, which this model "
                              "does not take (handler.raw_input is not set); send JSON with Content-Type: "
                              "application/json")
         raw = criteo.to_bytes(self.body)
         n = criteo.count_lines(raw)
-        if n > c.max_instances_per_request:
-            raise PayloadTooLarge(f"body: at most {c.max_instances_per_request} lines per request "
+        if n > c.requests.max_instances_per_request:
+            raise PayloadTooLarge(f"body: at most {c.requests.max_instances_per_request} lines per request "
                                   f"(handler.max_instances_per_request), got {n}")
-        if n * c.num_features > c.max_ids_per_request:
-            raise PayloadTooLarge(f"body: at most {c.max_ids_per_request} ids per request "
+        if n * c.num_features > c.requests.max_ids_per_request:
+            raise PayloadTooLarge(f"body: at most {c.requests.max_ids_per_request} ids per request "
                                   f"(handler.max_ids_per_request: {c.num_features} per line), got {n * c.num_features}")
         lines = criteo.parse(raw, c.sparse_features)
-        dense, self.clipped = criteo.dense_features(lines.dense, c.dense_shift)
+        dense, self.clipped = criteo.dense_features(lines.dense, c.raw.dense_shift)
         return ParsedRequest.single_hot_matrix(dense, range(c.num_features), np.ascontiguousarray(lines.ids.T),
                                                c.sparse_features)
 
@@ -255,8 +255,8 @@ def _columns(req: _InferRequest, tail: memoryview, parser: RequestParser) -> Par
     n = dense.shape[0]
     if n < 1:
         raise BadRequest("dense: expected at least one row, got shape [0, ...]")
-    if n > config.max_instances_per_request:
-        raise PayloadTooLarge(f"dense: at most {config.max_instances_per_request} rows per request "
+    if n > config.requests.max_instances_per_request:
+        raise PayloadTooLarge(f"dense: at most {config.requests.max_instances_per_request} rows per request "
                               f"(handler.max_instances_per_request), got {n}")
     dense = dense.astype(np.float32)  # FP64 past float32's range becomes inf: refused below
     if not np.isfinite(dense).all():
@@ -299,8 +299,8 @@ def _columns(req: _InferRequest, tail: memoryview, parser: RequestParser) -> Par
                 values.astype(np.int64, copy=False)
             fields[f] = (feature + ".lengths", feature + ".values")
     n_ids = sum(v.size for _, v in bags.values()) + n * len(ones)
-    if n_ids > config.max_ids_per_request:
-        raise PayloadTooLarge(f"inputs: at most {config.max_ids_per_request} ids per request "
+    if n_ids > config.requests.max_ids_per_request:
+        raise PayloadTooLarge(f"inputs: at most {config.requests.max_ids_per_request} ids per request "
                               f"(handler.max_ids_per_request), got {n_ids}")
     if not bags:  # the usual single-hot request: checked and laid out in a few array operations
         return ParsedRequest.single_hot(dense, ones, {f: names[1] for f, names in fields.items()})
@@ -329,7 +329,7 @@ def _binary_single_hot(req: _InferRequest, tail: memoryview, parser: RequestPars
         return None
     t, dense_at, size = dense_spans[0]
     n = t.shape[0] if t.datatype == "FP32" and len(t.shape) == 2 and t.shape[1] == F else 0
-    if not 1 <= n <= config.max_instances_per_request or size != 4 * n * F:
+    if not 1 <= n <= config.requests.max_instances_per_request or size != 4 * n * F:
         return None
     id_spans = [s for s in spans if s[0].name != "dense"]
     ids_at = id_spans[0][1] if id_spans else 0
@@ -342,7 +342,7 @@ def _binary_single_hot(req: _InferRequest, tail: memoryview, parser: RequestPars
         features.append(f)
         names.append(t.name)
     k = len(features)
-    if n * k > config.max_ids_per_request:
+    if n * k > config.requests.max_ids_per_request:
         return None
     dense = np.frombuffer(tail, "<f4", n * F, dense_at).astype(np.float32)  # a copy: torch wants it writable
     if not np.isfinite(dense).all():
@@ -459,5 +459,5 @@ def model_metadata(config) -> dict:
         "inputs": [{"name": "dense", "datatype": "FP32", "shape": [-1, config.num_dense_features]}]
                   + [{"name": f, "datatype": "INT64", "shape": [-1]} for f in config.sparse_features],
         "outputs": [{"name": OUTPUT, "datatype": "FP32", "shape": [-1, 1]}],
-        "max_batch_size": config.max_instances_per_request,
+        "max_batch_size": config.requests.max_instances_per_request,
     }

@@ -26,7 +26,6 @@ layer is rescaled on a probe batch whose rows are gathered while the tables stre
 from __future__ import annotations
 
 import collections
-import dataclasses
 import io
 import os
 import pickle
@@ -74,13 +73,13 @@ def layout(config: DLRMConfig) -> tuple[list[Slot], int]:
     slots, offset, row = [], 0, _row_bytes(config)
     for name, rows in zip(config.sparse_features, config.num_embeddings):
         slots.append(Slot(name, rows, row, offset))
-        offset += table_bytes(rows, config.embedding_dim, config.embedding_dtype)
+        offset += table_bytes(rows, config.embedding_dim, config.build.embedding_dtype)
     return slots, offset
 
 
 def _row_bytes(config: DLRMConfig) -> int:
     kind = {"fp32": SparseType.FP32, "fp16": SparseType.FP16, "int8": SparseType.INT8, "int4": SparseType.INT4}
-    return rounded_row_size_in_bytes(config.embedding_dim, kind[config.embedding_dtype], DEFAULT_ROW_ALIGNMENT)
+    return rounded_row_size_in_bytes(config.embedding_dim, kind[config.build.embedding_dtype], DEFAULT_ROW_ALIGNMENT)
 
 
 # --- where fp32 rows come from -----------------------------------------------------------------
@@ -92,8 +91,8 @@ class RandomSource:
     ``DLRMFactory.random`` draws them, the last one rescaled on a probe batch (``finish``)."""
 
     def __init__(self, config: DLRMConfig, seed: int | None = None):
-        self.config, self.seed = config, config.seed if seed is None else seed
-        self.factory = DLRMFactory(dataclasses.replace(config, embedding_dtype="fp32"))
+        self.config, self.seed = config, config.build.seed if seed is None else seed
+        self.factory = DLRMFactory(config.with_changes(embedding_dtype="fp32"))
         gen = torch.Generator().manual_seed(self.seed)
         self.model = self.factory.build("cpu", tables_on_meta=True)
         with torch.no_grad():
@@ -129,7 +128,7 @@ class RandomSource:
         c = self.config
         dense, kjt = self.probe
         # the probe scored by the fp32 model over only the rows it reads (ids renumbered)
-        small = dataclasses.replace(c, num_embeddings=tuple(max(1, len(w)) for w in self._wanted.values()),
+        small = c.with_changes(num_embeddings=tuple(max(1, len(w)) for w in self._wanted.values()),
                                     embedding_dtype="fp32")
         model = DLRMFactory(small).build("cpu")
         model.load_state_dict({k: v for k, v in self.model.state_dict().items() if not k.startswith(EBC)},
@@ -356,11 +355,11 @@ def rss() -> dict[str, int]:
 def write_weights(path: str | Path, config: DLRMConfig, source, chunk_bytes: int = CHUNK_BYTES,
                   log: Callable[[str], None] = print, every_s: float = 10.0) -> dict:
     """Write the weights file ``DLRMFactory(config).load`` reads, table by table from
-    ``source`` (``RandomSource`` or ``CheckpointSource``), in ``config.embedding_dtype``,
+    ``source`` (``RandomSource`` or ``CheckpointSource``), in ``config.build.embedding_dtype``,
     never holding more than ``chunk_bytes`` of fp32 rows. Returns what it measured."""
     path = Path(path)
     slots, host = layout(config)
-    dim, dtype = config.embedding_dim, config.embedding_dtype
+    dim, dtype = config.embedding_dim, config.build.embedding_dtype
     started = time.perf_counter()
     log(f"[stream] {path}: {len(slots)} tables, {sum(s.rows for s in slots):,} rows x D={dim} -> {dtype}, "
         f"{host / 2**30:.2f} GiB of fused rows; from {source.describe()}")

@@ -23,7 +23,6 @@ The disk needed is printed first; the build refuses to start without it (plus 2 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -106,9 +105,9 @@ def main(argv: list[str] | None = None) -> dict:
             rows = full_rows(args.config, config)
             if rows is None:
                 sys.exit(f"error: --full: {args.config} has no '# full: [...]' comment")
-        config = dataclasses.replace(config, num_embeddings=tuple(rows), embedding_dtype=args.dtype or config.embedding_dtype)
+        config = config.with_changes(num_embeddings=tuple(rows), embedding_dtype=args.dtype or config.build.embedding_dtype)
         need = stream.file_bytes(config)
-        print(f"[build] {out}: {sum(rows):,} rows, {config.embedding_dtype}: needs {need / 2**30:.2f} GiB of disk",
+        print(f"[build] {out}: {sum(rows):,} rows, {config.build.embedding_dtype}: needs {need / 2**30:.2f} GiB of disk",
               flush=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         free = stream.check_disk(out, need)
@@ -118,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
                   if args.checkpoint else stream.RandomSource(config))
         with tempfile.TemporaryDirectory(prefix="dlrm-big-cfg-") as tmp:
             cfg = Path(tmp) / "model-config.yaml"
-            derived_config(Path(args.config), cfg, rows, config.embedding_dtype)
+            derived_config(Path(args.config), cfg, rows, config.build.embedding_dtype)
             model_directory(out, cfg, args.model_name or out.name, args.version)
         result = stream.write_weights(out / "dlrm.pt", config, source, chunk_bytes=args.chunk_mib << 20,
                                            log=lambda m: print(m, flush=True))

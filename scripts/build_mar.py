@@ -137,10 +137,10 @@ def main(argv: list[str] | None = None) -> Path:
                      "rows the int8 scales were fitted to; calibrate on a sample of the training data "
                      "(scripts/train.py writes calibration.jsonl); no archive written")
         config = DLRMConfig.from_yaml(args.config)
-        if args.verify and (cannot := dense.unsupported(config.dense_precision, dense.cpu_flags())):
+        if args.verify and (cannot := dense.unsupported(config.build.dense_precision, dense.cpu_flags())):
             # The verify child would serve the fp32 fallback and prove nothing about the precision
             # the archive names (measured on an AVX2 host: int8 there moves a score by up to 0.45).
-            sys.exit(f"error: --verify: dense_precision {config.dense_precision} cannot run on this CPU "
+            sys.exit(f"error: --verify: dense_precision {config.build.dense_precision} cannot run on this CPU "
                      f"({cannot}), so its accuracy contract cannot be checked here: verify on a CPU of the "
                      f"serving kind, or build without --verify (unchecked); no archive written")
         factory = DLRMFactory(config)
@@ -153,29 +153,29 @@ def main(argv: list[str] | None = None) -> Path:
                 # DCP directory read into one full-size tensor per key.
                 model = factory.load_fp32(import_checkpoint(args.checkpoint, config, feature_order=order))
             else:
-                print(f"[build] random weights, seed {config.seed}: {sum(config.num_embeddings):,} rows "
+                print(f"[build] random weights, seed {config.build.seed}: {sum(config.num_embeddings):,} rows "
                       f"x D={config.embedding_dim}", flush=True)
                 model = factory.random()
-            if config.embedding_dtype != "fp32":
-                print(f"[build] quantizing the tables to {config.embedding_dtype} (torchrec quantize_inference_model)",
+            if config.build.embedding_dtype != "fp32":
+                print(f"[build] quantizing the tables to {config.build.embedding_dtype} (torchrec quantize_inference_model)",
                       flush=True)
             extra = [str(metadata := Path(tmp) / METADATA_FILE)]
-            if config.dense_precision == "int8" and (args.calibrate or not args.checkpoint):
+            if config.build.dense_precision == "int8" and (args.calibrate or not args.checkpoint):
                 if args.calibrate:
                     inputs, source = calibration_inputs(args.calibrate, model, config), args.calibrate
                 else:  # random weights have no training data: the kit's own random rows stand for it
-                    gen = torch.Generator().manual_seed(config.seed)
+                    gen = torch.Generator().manual_seed(config.build.seed)
                     probes = [factory.probe_batch(256, gen) for _ in range(-(-dense.CALIBRATION_ROWS // 256))]
                     inputs, source = dense.calibration_inputs(model, probes), f"{dense.CALIBRATION_ROWS} random rows"
                 torch.save(inputs, calibration := Path(tmp) / CALIBRATION_FILE)
                 extra.append(str(calibration))
                 print(f"[build] int8 dense half: static activation scales from {source} ({CALIBRATION_FILE})",
                       flush=True)
-            elif config.dense_precision == "int8":
+            elif config.build.dense_precision == "int8":
                 print("[build] int8 dense half without --calibrate: activation scales per batch (dynamic int8)",
                       flush=True)
-            if config.dense_precision != "fp32" and not args.verify:
-                print(f"[build] warning: dense_precision {config.dense_precision} without --verify: the accuracy "
+            if config.build.dense_precision != "fp32" and not args.verify:
+                print(f"[build] warning: dense_precision {config.build.dense_precision} without --verify: the accuracy "
                       "contract (AUC >= 99.9% of fp32) is not checked for this archive", flush=True)
             state = factory.archive_state(model)
             del model
@@ -210,18 +210,18 @@ def main(argv: list[str] | None = None) -> Path:
             subprocess.run(cmd, check=True, env={**os.environ, "TMPDIR": tmp})
             if args.verify:
                 result = verify_archive(built / mar.name, args.verify, as_worker.command(), args.verify_tolerance,
-                                        precision=config.dense_precision, logits=config.output == "logits",
+                                        precision=config.build.dense_precision, logits=config.requests.output == "logits",
                                         auc_ratio=args.auc_ratio)
-                if config.dense_precision != "fp32":
+                if config.build.dense_precision != "fp32":
                     # Reduced precision moves every score a little: MLPerf's AUC rule is the gate,
                     # not the per-row tolerance.
                     if result.contract is None:
-                        sys.exit(f"error: --verify: dense_precision {config.dense_precision} is checked by the "
+                        sys.exit(f"error: --verify: dense_precision {config.build.dense_precision} is checked by the "
                                  f"accuracy contract (served AUC >= 99.9% of fp32), which needs labels on every "
                                  f"line of {args.verify} (scripts/train.py writes them); no archive written")
                     if not result.contract["holds"]:
                         c = result.contract
-                        sys.exit(f"error: --verify: dense_precision {config.dense_precision} breaks the accuracy "
+                        sys.exit(f"error: --verify: dense_precision {config.build.dense_precision} breaks the accuracy "
                                  f"contract: AUC {c['auc']:.6f} is {c['auc_ratio']:.5f} of fp32's {c['auc_fp32']:.6f} "
                                  f"(needs >= {args.auc_ratio:g}); serve a higher precision; no archive written")
                 elif result.over:
@@ -277,7 +277,7 @@ def fit_dense_shift(files: list[str], config: str, out: str) -> float:
             text = text[: m.end()] + f"{key}: {value}\n{m.group(1)}" + text[m.end():]
     Path(out).write_text(text)
     written = DLRMConfig.from_yaml(out)
-    print(f"[fit] wrote raw_input: criteo_tsv, dense_shift: {shift} to {out} (id_overflow: {written.id_overflow})",
+    print(f"[fit] wrote raw_input: criteo_tsv, dense_shift: {shift} to {out} (id_overflow: {written.requests.id_overflow})",
           flush=True)
     return shift
 

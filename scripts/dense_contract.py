@@ -17,7 +17,6 @@ In-process rather than through build_mar.py --verify: the same functions, withou
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -96,7 +95,7 @@ def contract_model(name: str, heldout: int, tmp: Path) -> dict:
     fp32 = scores(factory.load(weights))
     trainer = [s for doc in lines for s in doc["scores"]]
     # the same trained weights in an archive with int8 tables, loaded as a worker loads it
-    cfg8 = dataclasses.replace(cfg, embedding_dtype="int8")
+    cfg8 = cfg.with_changes(embedding_dtype="int8")
     factory8, weights8 = DLRMFactory(cfg8), out / "dlrm-int8-tables.pt"
     torch.save(factory8.archive_state(factory8.load_fp32(state)), weights8)
     rows = []

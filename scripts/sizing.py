@@ -147,7 +147,7 @@ def report(config, budget: int, worker: int, base_s: float, disk_mbps: float, cp
         from dlrmkit.cpus import cpu_rule
 
         rule = cpu_rule(cpus)
-        d = out["dtypes"][c.embedding_dtype]
+        d = out["dtypes"][c.build.embedding_dtype]
         out["cpus"] = {"cpus": cpus, "rule_workers": rule.workers, "torch_threads": rule.threads,
                        "workers": min(rule.workers, d["workers_shared"] or d["workers_paged"]),
                        "paged": d["workers_shared"] < 1,
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
     _print_budget(rep, dtypes)
     c = rep["cpus"]
     print(f"\n{c['cpus']} CPU(s): the CPU rule's {c['rule_workers']} worker(s) x {c['torch_threads']} torch thread(s) "
-          f"need {human(c['memory_bytes'])} with {config.embedding_dtype} tables"
+          f"need {human(c['memory_bytes'])} with {config.build.embedding_dtype} tables"
           + ("" if c["workers"] == c["rule_workers"] else f"; the budget holds only {c['workers']}: set maxWorkers"))
     if full:
         capped = sum(f != r for f, r in zip(full, config.num_embeddings))

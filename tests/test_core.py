@@ -369,7 +369,6 @@ def test_a_forward_split_into_parts_on_threads_scores_as_the_whole_batch(parser,
     """handler.split_rows: a batch of more rows runs as parts at once (the first on the caller's
     thread), multi-hot bags, omitted keys and requests cut across parts; the scores, per request
     and in order, are the whole forward's."""
-    import dataclasses
 
     rng = np.random.default_rng(5)
     reqs = [body({"instances": [instance(rng.normal(size=5).round(3).tolist(),
@@ -379,7 +378,7 @@ def test_a_forward_split_into_parts_on_threads_scores_as_the_whole_batch(parser,
     batch, errors = collate([parser.parse(r) for r in reqs], config)
     assert errors == {} and batch.dense.shape[0] == 10
     whole = scores(model, batch, config)
-    split = dataclasses.replace(config, split_rows=3)
+    split = config.with_changes(split_rows=3)
     pool = RecordingPool()
     parts = scores(model, batch, split, pool, parts=4)  # type: ignore[arg-type]
     assert pool.rows == [3, 2, 3]  # 4 parts of 2-3 rows: the first ran here

@@ -117,7 +117,7 @@ def test_a_bad_line_is_named_by_line_and_field(body, message):
 
 
 def test_config_keys_are_checked():
-    assert DLRMConfig.from_dict(CRITEO).dense_shift == 5
+    assert DLRMConfig.from_dict(CRITEO).raw.dense_shift == 5
     for change, message in [
         ({"dense_shift": None}, "handler.dense_shift: required with raw_input: criteo_tsv"),
         ({"raw_input": "csv"}, "handler.raw_input: expected one of criteo_tsv, got 'csv'"),

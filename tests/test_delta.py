@@ -265,7 +265,7 @@ def test_a_batch_in_flight_sees_no_delta_unless_the_lock_is_off(tmp_path, model,
 
 
 def test_config_keys():
-    assert tiny_config(delta_dir="/d", delta_poll_s=2).delta_dir == "/d"
+    assert tiny_config(delta_dir="/d", delta_poll_s=2).live.delta_dir == "/d"
     for bad in ({"delta_dir": ""}, {"delta_dir": 3}, {"delta_poll_s": 0}, {"delta_poll_s": "1"}):
         with pytest.raises(ConfigError, match=f"handler.{next(iter(bad))}"):
             tiny_config(**bad)
@@ -292,7 +292,7 @@ def test_the_handler_applies_deltas_at_start_and_tags_answers(tmp_path, model, a
 
 
 def test_no_delta_dir_no_watcher(handler):
-    assert handler.deltas is None and handler.config.delta_dir is None
+    assert handler.deltas is None and handler.config.live.delta_dir is None
 
 
 def test_publish_delta_from_two_checkpoints(tmp_path, model):

@@ -141,7 +141,6 @@ def test_served_batches_never_compile_the_half_again(monkeypatch):
     scores() serves it, and a batch of a made size (a tensor from outside inference_mode) or a
     handler.split_rows part (a view of one) is handed over as an inference tensor, as a padded batch
     is: no recompile (~2 s each in the middle of serving, measured on DLRMv2 before)."""
-    import dataclasses
     from concurrent.futures import ThreadPoolExecutor
 
     import torch._dynamo
@@ -152,7 +151,7 @@ def test_served_batches_never_compile_the_half_again(monkeypatch):
     model = DLRMFactory(config).random().eval()
     served, _ = dense._compile(model, config, "bf16", None, (2, 4, 8, 16))
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
-    split = dataclasses.replace(config, split_rows=4)
+    split = config.with_changes(split_rows=4)
     with ThreadPoolExecutor(1) as pool:
         for rows in (8, 5, 16, 13, 2):  # made sizes and padded ones, whole and as parts of 4-8 rows
             d, kjt = probe(config, rows, seed=rows)
@@ -207,7 +206,7 @@ def test_the_cpu_rule_reads_the_flags_as_torch_may_use_them(tmp_path, flags, cap
 def test_dense_precision_is_validated_with_the_key_named():
     with pytest.raises(ConfigError, match=r"^handler.dense_precision: expected one of fp32, bf16, int8, got 'fp8'$"):
         tiny_config(dense_precision="fp8")
-    assert tiny_config().dense_precision == "fp32"
+    assert tiny_config().build.dense_precision == "fp32"
 
 
 def test_the_contract_is_mlperfs_auc_ratio_with_the_probability_deltas():

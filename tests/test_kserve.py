@@ -246,7 +246,7 @@ def test_model_metadata_describes_a_request_the_parser_takes(config):
     meta = model_metadata(config)
     assert [i["name"] for i in meta["inputs"]] == ["dense", *config.sparse_features]
     assert meta["outputs"] == [{"name": "scores", "datatype": "FP32", "shape": [-1, 1]}]
-    assert meta["max_batch_size"] == config.max_instances_per_request
+    assert meta["max_batch_size"] == config.requests.max_instances_per_request
     rows = 2
     inputs = [{"name": i["name"], "datatype": i["datatype"], "shape": [rows if d == -1 else d for d in i["shape"]],
                "data": [0.5] * rows * i["shape"][-1] if i["datatype"] == "FP32" else [1] * rows}

@@ -53,7 +53,7 @@ def test_shipped_configs_are_valid():
     assert seed.num_dense_features == 5
     assert seed.sparse_features == ("feature_0", "feature_1", "feature_2")
     assert min(seed.num_embeddings) >= 1000
-    assert seed.id_overflow == "error" and seed.max_instances_per_request <= 4096 and seed.max_ids_per_request <= 65536
+    assert seed.requests.id_overflow == "error" and seed.requests.max_instances_per_request <= 4096 and seed.requests.max_ids_per_request <= 65536
     criteo = DLRMConfig.from_yaml(ROOT / "model-config.criteo.yaml")
     from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
 

@@ -41,8 +41,8 @@ def test_embedding_dtype_errors_name_the_key(change, message):
 
 
 def test_embedding_dtype_defaults_to_fp32():
-    assert tiny_config().embedding_dtype == "fp32"
-    assert DLRMConfig.from_yaml(ROOT / "model-config.yaml").embedding_dtype == "fp32"
+    assert tiny_config().build.embedding_dtype == "fp32"
+    assert DLRMConfig.from_yaml(ROOT / "model-config.yaml").build.embedding_dtype == "fp32"
 
 
 # --- quantized archives -----------------------------------------------------------------------

@@ -4,7 +4,6 @@ for byte what build_mar.py archives, from random weights and from checkpoints.""
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import os
 import resource
 
@@ -26,7 +25,7 @@ DTYPES = ["fp32", "fp16", "int8", "int4"]
 
 def fp32_model(config, source):
     """The fp32 model holding ``source``'s rows and dense layers (what build_mar.py would quantize)."""
-    factory = DLRMFactory(dataclasses.replace(config, embedding_dtype="fp32"))
+    factory = DLRMFactory(config.with_changes(embedding_dtype="fp32"))
     model = factory.build("cpu")
     with torch.no_grad():
         for t, name in enumerate(config.sparse_features):

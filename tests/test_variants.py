@@ -89,7 +89,7 @@ def test_dlrmv2_config_is_mlperf_layout():
     assert (c.interaction, c.dcn_num_layers, c.dcn_low_rank_dim, c.embedding_dim) == ("dcn", 3, 512, 128)
     assert c.sparse_features == tuple(f"cat_{i}" for i in range(26)) and c.num_dense_features == 13
     assert (c.dense_arch_layer_sizes, c.over_arch_layer_sizes) == ((512, 256, 128), (1024, 1024, 512, 256, 1))
-    assert c.id_overflow == "modulo" and max(c.num_embeddings) <= 200_000
+    assert c.requests.id_overflow == "modulo" and max(c.num_embeddings) <= 200_000
     sample = json.loads((ROOT / "sample_requests" / "dlrmv2.json").read_text())
     assert sample["sparse"]["keys"] == list(c.sparse_features)
     assert sample["sparse"]["lengths"] == [3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27,

@@ -156,7 +156,7 @@ def table_for_features(ckpt: Checkpoint, config: DLRMConfig) -> dict[str, str]:
     """Feature -> the checkpoint table that serves it: ``handler.table_names``, else ``<feature>``,
     else ``t_<feature>``. Raises ConfigError naming the feature and the tables it could have been."""
     tables = ckpt.tables
-    given = dict(config.table_names)
+    given = dict(config.build.table_names)
     out = {}
     for feature in config.sparse_features:
         if feature in given:

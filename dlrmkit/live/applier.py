@@ -91,7 +91,7 @@ class DeltaApplier:
         self.side: int | None = None  # the shared side this worker reads (None: its own tables)
         widths = {t: v.shape[1] for t, v in self.views.items()}
         self.writer = self.Writer(
-            directory, target, config.embedding_dtype, widths, self.shared, self._count_rows, self._count_refused
+            directory, target, config.build.embedding_dtype, widths, self.shared, self._count_rows, self._count_refused
         )
         self.process = WriterProcess(self.shared, self._count_rows, self._count_refused) if self.shared else None
         self._started = time.time()
@@ -174,7 +174,7 @@ class DeltaApplier:
             "base": sh.base,
             "layout": sh.layout,
             "sizes": sh.sizes,
-            "dtype": self.config.embedding_dtype,
+            "dtype": self.config.build.embedding_dtype,
             "poll_s": self.poll_s,
             "target": dataclasses.asdict(self.target),
             "writer": class_path(type(self.writer)),

@@ -35,7 +35,7 @@ def start_watcher(
     ready) and a watcher thread started. ``model_dir``: the archive's directory (its base file, the
     workers' state); ``weights``: its weights file (the base of an archive built without one);
     ``name``: the served model's; ``applier``: the DeltaApplier class (tests inject another)."""
-    if not config.delta_dir:
+    if not config.live.delta_dir:
         return None
     model_dir = Path(model_dir)
     if len(devices) > 1:
@@ -55,15 +55,15 @@ def start_watcher(
         )
     factory = DLRMFactory(config)
     target = target_for(config, factory, name, base)
-    live = applier(model, config, factory, config.delta_dir, target, config.delta_poll_s, emit, model_dir)
+    live = applier(model, config, factory, config.live.delta_dir, target, config.live.delta_poll_s, emit, model_dir)
     started = time.perf_counter()
     # The first conversion pays ~1 s of imports and set-up (measured: 1.1 s for 1,000 int8 rows, then
     # 7 ms for 10,000): paid here, before the worker reports ready, not beside the first delta's batches
-    fused_rows({"warm": torch.zeros(1, config.embedding_dim)}, config.embedding_dtype)
+    fused_rows({"warm": torch.zeros(1, config.embedding_dim)}, config.build.embedding_dtype)
     n = live.catch_up()
     logger.info(
         "live updates from %s (base %s): %d delta(s) applied at start in %.1f s, now at sequence %d",
-        config.delta_dir,
+        config.live.delta_dir,
         base,
         n,
         time.perf_counter() - started,
