@@ -155,8 +155,16 @@ class TorchRecDLRMHandler(BaseHandler, ABC):
         """handler.delta_dir: the live watcher (dlrmkit/live/), its metrics handed in as a plain emit."""
         metrics = getattr(context, "metrics", None)
         emit = functools.partial(_live_metric, metrics) if metrics is not None else None
-        return start_watcher(self.config, self.model, os.path.dirname(weights), weights, self.model_id[0], devices,
-                             emit, self.delta_applier)
+        return start_watcher(
+            self.config,
+            self.model,
+            os.path.dirname(weights),
+            weights,
+            self.model_id[0],
+            devices,
+            emit,
+            self.delta_applier,
+        )
 
     def _say_loaded(self, devices: list[torch.device], seconds: float, frozen: list[str], dense: str) -> None:
         c = self.config

@@ -39,9 +39,35 @@ import time
 from pathlib import Path
 
 from bench.common import (
-    COLUMNS, COLUMNS_ALL, CRITEO_TSV, HERE, RANKING, RANKING_ROWS, ROOT, V2_BINARY, HostForward, build_archive, serving,
-    cpu_seconds, form_of, frontend_pid, jit_cpu_seconds, jit_cpu_since, log, machine, make_body, make_kind,
-    measure_load, metric_value, raw_caller, request_loop, rows_of, run_dir, timed_calls, unpack, write_report,
+    COLUMNS,
+    COLUMNS_ALL,
+    CRITEO_TSV,
+    HERE,
+    RANKING,
+    RANKING_ROWS,
+    ROOT,
+    V2_BINARY,
+    HostForward,
+    build_archive,
+    serving,
+    cpu_seconds,
+    form_of,
+    frontend_pid,
+    jit_cpu_seconds,
+    jit_cpu_since,
+    log,
+    machine,
+    make_body,
+    make_kind,
+    measure_load,
+    metric_value,
+    raw_caller,
+    request_loop,
+    rows_of,
+    run_dir,
+    timed_calls,
+    unpack,
+    write_report,
 )
 from bench.fakes import FakeContext
 from bench.load import percentile, run_load
@@ -62,6 +88,7 @@ def v2_header_length(body: bytes) -> int:
 def paced_p50(call, seconds: float) -> float:
     """p50 seconds of ``call`` with the core idle 2 ms before each, as at concurrency 1 where the
     worker waits for each request: how much of that latency is a cache-cold forward."""
+
     def paced():
         time.sleep(0.002)
         t0 = time.perf_counter()
@@ -77,8 +104,15 @@ def bench_raw(model, cfg, seconds: float) -> list[dict]:
     for b in BATCHES:
         call = raw_caller(cfg, b, rng)(model)
         t = timed_calls(call, seconds)
-        rows.append({"batch": b, "calls": len(t), "rows_per_s": round(b * len(t) / sum(t)),
-                     "p50_ms": round(percentile(t, 50) * 1e3, 3), "p99_ms": round(percentile(t, 99) * 1e3, 3)})
+        rows.append(
+            {
+                "batch": b,
+                "calls": len(t),
+                "rows_per_s": round(b * len(t) / sum(t)),
+                "p50_ms": round(percentile(t, 50) * 1e3, 3),
+                "p99_ms": round(percentile(t, 99) * 1e3, 3),
+            }
+        )
         if b == 1:
             rows[-1]["paced_2ms_p50_ms"] = round(paced_p50(call, seconds) * 1e3, 3)
         log(f"raw forward B={b}: " + ", ".join(f"{k} {v}" for k, v in rows[-1].items() if k != "batch"))
@@ -87,15 +121,29 @@ def bench_raw(model, cfg, seconds: float) -> list[dict]:
 
 # --- 2. handler in-process -----------------------------------------------------------------------
 
+
 def bench_handler(handler, cfg, seconds: float) -> list[dict]:
     """Whole handle() per batch, plus the same core stages timed one by one."""
     rng = random.Random(2)
     # 10 x 128 rows: as TorchServe batches ranking requests at c=16 (~10 per batch, section 3)
     raw = ((1, CRITEO_TSV),) if cfg.raw.raw_input == "criteo_tsv" else ()
-    points = ((1, 1), (1, RANKING_ROWS), (1, RANKING), (1, COLUMNS), (1, COLUMNS_ALL), *raw, (1, V2_BINARY),
-              (32, 1), (32, RANKING_ROWS), (10, RANKING), (10, COLUMNS))
-    return [handler_point(handler, cfg, n_req, kind, [make_kind(kind, cfg, rng) for _ in range(n_req)], seconds)
-            for n_req, kind in points]
+    points = (
+        (1, 1),
+        (1, RANKING_ROWS),
+        (1, RANKING),
+        (1, COLUMNS),
+        (1, COLUMNS_ALL),
+        *raw,
+        (1, V2_BINARY),
+        (32, 1),
+        (32, RANKING_ROWS),
+        (10, RANKING),
+        (10, COLUMNS),
+    )
+    return [
+        handler_point(handler, cfg, n_req, kind, [make_kind(kind, cfg, rng) for _ in range(n_req)], seconds)
+        for n_req, kind in points
+    ]
 
 
 def handler_point(handler, cfg, n_req: int, kind, bodies: list, seconds: float) -> dict:
@@ -118,6 +166,7 @@ def handler_point(handler, cfg, n_req: int, kind, bodies: list, seconds: float) 
 
         def parse(b):
             return open_request(b, False, None, handler.parser, ("dlrm", "1.0"), TSV).parse()
+
     ctx.headers = {i: headers for i in range(n_req)}
     # Overhead from the same calls: handle()'s wall time less the forward phase that the
     # handler itself timed in that call (no noise from pairing separate samples).
@@ -156,16 +205,21 @@ def handler_point(handler, cfg, n_req: int, kind, bodies: list, seconds: float) 
     prep_share = [(p + c) / f for p, c, f in zip(stage["parse"], stage["collate"], stage["forward"])]
     rows = rows_of(kind)
     row = {
-        "requests": n_req, "rows_per_request": rows, "form": form_of(kind),
+        "requests": n_req,
+        "rows_per_request": rows,
+        "form": form_of(kind),
         "body_bytes": round(statistics.mean(map(len, bodies))),
         **{f"{k}_us_per_request": round(v / n_req, 1) for k, v in med.items()},
         **{f"{k}_us_per_row": round(v / (n_req * rows), 2) for k, v in med.items()},
-        "handle_us": round(total), "forward_us": round(med["forward"]),
+        "handle_us": round(total),
+        "forward_us": round(med["forward"]),
         "overhead_share_of_forward": round(share, 3),
         "parse_collate_share_of_forward": round(statistics.median(prep_share), 3),
     }
-    log(f"handler {n_req} x {rows} rows ({row['form']}, {row['body_bytes']:,} B): handle {total:,.0f} us, forward "
-        f"{med['forward']:,.0f} us, parse {med['parse']:,.0f}, collate {med['collate']:,.0f}, respond {med['respond']:,.0f} us")
+    log(
+        f"handler {n_req} x {rows} rows ({row['form']}, {row['body_bytes']:,} B): handle {total:,.0f} us, forward "
+        f"{med['forward']:,.0f} us, parse {med['parse']:,.0f}, collate {med['collate']:,.0f}, respond {med['respond']:,.0f} us"
+    )
     return row
 
 
@@ -181,11 +235,25 @@ def build_archives(cfg_path: Path, store: Path) -> None:
     doc.pop("handler", None)
     echo_cfg = store / "echo-config.yaml"
     echo_cfg.write_text(yaml.safe_dump(doc))
-    subprocess.run([str(Path(sys.executable).parent / "torch-model-archiver"), "--model-name", "echo",
-                    "--version", "1.0", "--handler", str(HERE / "echo_handler.py"),
-                    "--config-file", str(echo_cfg), "--export-path", str(store), "--force"], check=True,
-                   # the archiver stages (and first deletes) $TMPDIR/<model name>: keep it private
-                   env={**os.environ, "TMPDIR": str(store)})
+    subprocess.run(
+        [
+            str(Path(sys.executable).parent / "torch-model-archiver"),
+            "--model-name",
+            "echo",
+            "--version",
+            "1.0",
+            "--handler",
+            str(HERE / "echo_handler.py"),
+            "--config-file",
+            str(echo_cfg),
+            "--export-path",
+            str(store),
+            "--force",
+        ],
+        check=True,
+        # the archiver stages (and first deletes) $TMPDIR/<model name>: keep it private
+        env={**os.environ, "TMPDIR": str(store)},
+    )
 
 
 def warm_up_server(srv: Server, models: list[str], bodies: dict, seconds: float) -> None:
@@ -200,7 +268,9 @@ def warm_up_server(srv: Server, models: list[str], bodies: dict, seconds: float)
     for m in models:
         for kind in (1, RANKING_ROWS):
             next_request, _ = request_loop(bodies[kind])
-            asyncio.run(run_load(f"{srv.url}/predictions/{m}", next_request, 16, seconds / (2 * len(models)), 2_000_000))
+            asyncio.run(
+                run_load(f"{srv.url}/predictions/{m}", next_request, 16, seconds / (2 * len(models)), 2_000_000)
+            )
 
 
 def bench_served(srv: Server, model: str, bodies: dict, duration: float, points: list | None = None) -> list[dict]:
@@ -225,12 +295,17 @@ def bench_served(srv: Server, model: str, bodies: dict, duration: float, points:
         per_batch = (metric_value(srv, model, "dlrm_requests_total") - batches0[1]) / batches if batches else None
         errs = errors[0] + res.transport_errors
         row = {
-            "model": model, "rows_per_request": rows, "form": form_of(kind),
+            "model": model,
+            "rows_per_request": rows,
+            "form": form_of(kind),
             "concurrency": c,
-            "requests": res.answered, "requests_per_s": round(res.answered / res.wall_s, 1),
+            "requests": res.answered,
+            "requests_per_s": round(res.answered / res.wall_s, 1),
             "rows_per_s": round(res.answered * rows / res.wall_s),
-            "p50_ms": round(res.percentile(50), 2), "p90_ms": round(res.percentile(90), 2),
-            "p99_ms": round(res.percentile(99), 2), "errors": errs,
+            "p50_ms": round(res.percentile(50), 2),
+            "p90_ms": round(res.percentile(90), 2),
+            "p99_ms": round(res.percentile(99), 2),
+            "errors": errs,
             "client_cpu_share": round(res.client_cpu_s / res.wall_s, 2),
             # CPU time per answered request: where the two cores go
             "frontend_cpu_us_per_request": round(cpu["frontend"] / max(1, res.answered) * 1e6),
@@ -241,20 +316,30 @@ def bench_served(srv: Server, model: str, bodies: dict, duration: float, points:
             "requests_per_batch": round(per_batch, 1) if per_batch else None,
         }
         out.append(row)
-        log(f"{model} {rows}-row {row['form']} requests, c={c}: {row['requests_per_s']:,} req/s, {row['rows_per_s']:,} rows/s, "
+        log(
+            f"{model} {rows}-row {row['form']} requests, c={c}: {row['requests_per_s']:,} req/s, {row['rows_per_s']:,} rows/s, "
             f"p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms, errors {errs}, CPU us/request: frontend "
             f"{row['frontend_cpu_us_per_request']} (JIT {row['frontend_jit_cpu_us_per_request']}), worker {row['worker_cpu_us_per_request']}, "
-            f"client {row['client_cpu_share']} cores")
+            f"client {row['client_cpu_share']} cores"
+        )
     return out
 
 
 # The served targets' sides, measured back to back in turns: (name, model, request kind, concurrency);
 # a kind of None is the raw forward in this process at that batch size (1: paced 2 ms apart).
-TURN_STEPS = (("dlrm c=1", "dlrm", 1, 1), ("echo c=1", "echo", 1, 1), ("raw B=1 paced", None, None, 1),
-              ("dlrm c=64", "dlrm", 1, 64), ("echo c=64", "echo", 1, 64), ("raw B=32", None, None, 32),
-              ("ranking c=16", "dlrm", RANKING, 16), ("columns c=16", "dlrm", COLUMNS, 16),
-              ("instances c=16", "dlrm", RANKING_ROWS, 16), ("raw B=128", None, None, RANKING_ROWS),
-              ("host B=128", "host", None, RANKING_ROWS))
+TURN_STEPS = (
+    ("dlrm c=1", "dlrm", 1, 1),
+    ("echo c=1", "echo", 1, 1),
+    ("raw B=1 paced", None, None, 1),
+    ("dlrm c=64", "dlrm", 1, 64),
+    ("echo c=64", "echo", 1, 64),
+    ("raw B=32", None, None, 32),
+    ("ranking c=16", "dlrm", RANKING, 16),
+    ("columns c=16", "dlrm", COLUMNS, 16),
+    ("instances c=16", "dlrm", RANKING_ROWS, 16),
+    ("raw B=128", None, None, RANKING_ROWS),
+    ("host B=128", "host", None, RANKING_ROWS),
+)
 
 
 def bench_turns(srv: Server, model, cfg, bodies: dict, turns: int, seconds: float, host) -> list[dict]:
@@ -272,7 +357,7 @@ def bench_turns(srv: Server, model, cfg, bodies: dict, turns: int, seconds: floa
     out = []
     for turn in range(turns):
         got = {}
-        for name, served, kind, c in (TURN_STEPS if turn % 2 == 0 else TURN_STEPS[::-1]):
+        for name, served, kind, c in TURN_STEPS if turn % 2 == 0 else TURN_STEPS[::-1]:
             if served == "host":
                 got[name] = host.measure(c, seconds / 2)["rows_per_s"]
             elif served is None and c == 1:
@@ -284,15 +369,23 @@ def bench_turns(srv: Server, model, cfg, bodies: dict, turns: int, seconds: floa
                 res = measure_load(f"{srv.url}/predictions/{served}", bodies[kind], rows_of(kind), c, seconds)
                 if res["errors"]:
                     raise SystemExit(f"{name}: {res['errors']} requests failed")
-                got[name] = round(res["p50_ms"], 3) if c == 1 else round(res["rows_per_s"] if kind != 1 else res["requests_per_s"])
+                got[name] = (
+                    round(res["p50_ms"], 3)
+                    if c == 1
+                    else round(res["rows_per_s"] if kind != 1 else res["requests_per_s"])
+                )
         ratios = {
             "c1": got["dlrm c=1"] / (got["echo c=1"] + got["raw B=1 paced"]),
             "c64": got["dlrm c=64"] * (1 / got["echo c=64"] + 1 / got["raw B=32"]),
             **{form: got[f"{form} c=16"] / got["host B=128"] for form in ("ranking", "columns", "instances")},
         }
         out.append({"turn": turn + 1, "figures": got, "ratios": {k: round(v, 3) for k, v in ratios.items()}})
-        log(f"turn {turn + 1}/{turns}: " + ", ".join(f"{k} {v}" for k, v in got.items())
-            + " -> " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
+        log(
+            f"turn {turn + 1}/{turns}: "
+            + ", ".join(f"{k} {v}" for k, v in got.items())
+            + " -> "
+            + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items())
+        )
     return out
 
 
@@ -315,37 +408,78 @@ def targets(handler_rows, turns, served_rows=(), cpus=None) -> list[dict]:
     over the turns of bench_turns (each turn's two sides measured back to back), with their
     range. Context rows (no bound): the ranking forms' CPU ceiling (cpu_ceiling, from part 3's
     CPU per request)."""
+
     def served(key, target, bound, higher_is_better):
         values = [t["ratios"][key] for t in turns]
-        return {"target": f"{target} (median of {len(values)} turns)", "value": round(statistics.median(values), 3),
-                "range": [min(values), max(values)], "bound": bound, "higher_is_better": higher_is_better}
+        return {
+            "target": f"{target} (median of {len(values)} turns)",
+            "value": round(statistics.median(values), 3),
+            "range": [min(values), max(values)],
+            "bound": bound,
+            "higher_is_better": higher_is_better,
+        }
 
     out = [
         served("c1", "c=1 single row: p50 <= 1.2 x (echo p50 + raw forward p50 at B=1, paced 2 ms)", 1.2, False),
-        served("c64", "single-row c=64: served req/s >= 0.85 x 1 / (1/echo c=64 req/s + 1/raw rows/s at B=32)",
-               0.85, True),
+        served(
+            "c64", "single-row c=64: served req/s >= 0.85 x 1 / (1/echo c=64 req/s + 1/raw rows/s at B=32)", 0.85, True
+        ),
     ]
     host128 = statistics.median(t["figures"]["host B=128"] for t in turns)
     for form in ("ranking", "columns", "instances"):
-        out.append(served(form, f"ranking (128 rows, {form} form) c=16: served rows/s >= 0.75 x the host's raw forward "
-                                f"rows/s at B=128 (all CPUs)", 0.75, True))
-        row = next((r for r in served_rows if r["model"] == "dlrm" and r["form"] == form
-                    and r["rows_per_request"] == RANKING_ROWS and r["concurrency"] == 16), None)
+        out.append(
+            served(
+                form,
+                f"ranking (128 rows, {form} form) c=16: served rows/s >= 0.75 x the host's raw forward "
+                f"rows/s at B=128 (all CPUs)",
+                0.75,
+                True,
+            )
+        )
+        row = next(
+            (
+                r
+                for r in served_rows
+                if r["model"] == "dlrm"
+                and r["form"] == form
+                and r["rows_per_request"] == RANKING_ROWS
+                and r["concurrency"] == 16
+            ),
+            None,
+        )
         if row and cpus:
-            out.append({"target": f"context: the ceiling of that ratio on this host ({form} form): the forward's CPU / all "
-                                  "the CPU per request at part 3's c=16 point (frontend + worker + load generator)",
-                        "value": round(cpu_ceiling(row, host128, cpus), 3), "bound": None})
+            out.append(
+                {
+                    "target": f"context: the ceiling of that ratio on this host ({form} form): the forward's CPU / all "
+                    "the CPU per request at part 3's c=16 point (frontend + worker + load generator)",
+                    "value": round(cpu_ceiling(row, host128, cpus), 3),
+                    "bound": None,
+                }
+            )
     for form in ("ranking", "columns", "instances", "columns-all", "v2-binary"):
-        h = next(r for r in handler_rows if r["requests"] == 1 and r["rows_per_request"] == RANKING_ROWS and r["form"] == form)
-        out.append({"target": f"parse + collate of one 128-row request ({form} form) <= 0.10 x its forward",
-                    "value": h["parse_collate_share_of_forward"], "bound": 0.10, "higher_is_better": False})
+        h = next(
+            r
+            for r in handler_rows
+            if r["requests"] == 1 and r["rows_per_request"] == RANKING_ROWS and r["form"] == form
+        )
+        out.append(
+            {
+                "target": f"parse + collate of one 128-row request ({form} form) <= 0.10 x its forward",
+                "value": h["parse_collate_share_of_forward"],
+                "bound": 0.10,
+                "higher_is_better": False,
+            }
+        )
     return out
 
 
 def table(head: str, keys: list[str], rows: list[dict]) -> list[str]:
     """A markdown table: ``head`` (its columns, "|"-separated), one row per dict, ``keys`` its cells."""
-    return ["| " + head + " |", "|---" + "|---:" * (len(keys) - 1) + "|",
-            *("| " + " | ".join(cell(r.get(k)) for k in keys) + " |" for r in rows)]
+    return [
+        "| " + head + " |",
+        "|---" + "|---:" * (len(keys) - 1) + "|",
+        *("| " + " | ".join(cell(r.get(k)) for k in keys) + " |" for r in rows),
+    ]
 
 
 def cell(v) -> str:
@@ -354,45 +488,99 @@ def cell(v) -> str:
 
 def markdown(report) -> str:
     m, ts = report["machine"], report["torchserve"]
-    lines = [f"Machine: {m['cpus']} CPUs ({m.get('available_cpus', m['cpus'])} available to the benchmark: affinity and "
-             f"cgroup quota; {m['processor']}), torch {m['torch']}, {m['torch_threads']} torch threads per worker; "
-             f"config `{report['config']}`; TorchServe batchSize {ts['batchSize']}, maxBatchDelay {ts['maxBatchDelay']} "
-             f"ms, {ts['workers']} worker(s); served points after {ts.get('warm_up_s', 0):.0f} s of warm-up load.", "",
-             "**1. Raw forward** (the model as served: fp32 tables in fbgemm's fused kernel, dense and over arch "
-             "jit-frozen)", ""]
-    lines += table("batch | rows/s | p50 ms | p99 ms", ["batch", "rows_per_s", "p50_ms", "p99_ms"], report["raw_forward"])
+    lines = [
+        f"Machine: {m['cpus']} CPUs ({m.get('available_cpus', m['cpus'])} available to the benchmark: affinity and "
+        f"cgroup quota; {m['processor']}), torch {m['torch']}, {m['torch_threads']} torch threads per worker; "
+        f"config `{report['config']}`; TorchServe batchSize {ts['batchSize']}, maxBatchDelay {ts['maxBatchDelay']} "
+        f"ms, {ts['workers']} worker(s); served points after {ts.get('warm_up_s', 0):.0f} s of warm-up load.",
+        "",
+        "**1. Raw forward** (the model as served: fp32 tables in fbgemm's fused kernel, dense and over arch "
+        "jit-frozen)",
+        "",
+    ]
+    lines += table(
+        "batch | rows/s | p50 ms | p99 ms", ["batch", "rows_per_s", "p50_ms", "p99_ms"], report["raw_forward"]
+    )
     paced = report["raw_forward"][0].get("paced_2ms_p50_ms")
     if paced:
         lines += ["", f"Batch 1 with the core idle 2 ms between calls (as at concurrency 1): p50 {paced} ms."]
     lines += ["", "**2. Handler in-process** (µs per request; shares of the forward in the last columns)", ""]
-    lines += table("requests | rows | form | body bytes | parse | collate | forward | respond | handle() total µs | "
-                   "overhead / forward | parse + collate / forward",
-                   ["requests", "rows_per_request", "form", "body_bytes", "parse_us_per_request", "collate_us_per_request",
-                    "forward_us_per_request", "respond_us_per_request", "handle_us", "overhead_share_of_forward",
-                    "parse_collate_share_of_forward"], report["handler"])
+    lines += table(
+        "requests | rows | form | body bytes | parse | collate | forward | respond | handle() total µs | "
+        "overhead / forward | parse + collate / forward",
+        [
+            "requests",
+            "rows_per_request",
+            "form",
+            "body_bytes",
+            "parse_us_per_request",
+            "collate_us_per_request",
+            "forward_us_per_request",
+            "respond_us_per_request",
+            "handle_us",
+            "overhead_share_of_forward",
+            "parse_collate_share_of_forward",
+        ],
+        report["handler"],
+    )
     lines += ["", "**3-4. Served** (DLRM handler vs echo handler, same TorchServe settings)", ""]
-    lines += table("model | rows/request | form | concurrency | req/s | rows/s | p50 ms | p90 ms | p99 ms | errors | "
-                   "CPU µs/request: frontend | its JIT | worker | client CPU (cores) | requests/batch",
-                   ["model", "rows_per_request", "form", "concurrency", "requests_per_s", "rows_per_s", "p50_ms",
-                    "p90_ms", "p99_ms", "errors", "frontend_cpu_us_per_request", "frontend_jit_cpu_us_per_request",
-                    "worker_cpu_us_per_request", "client_cpu_share", "requests_per_batch"], report["served"])
+    lines += table(
+        "model | rows/request | form | concurrency | req/s | rows/s | p50 ms | p90 ms | p99 ms | errors | "
+        "CPU µs/request: frontend | its JIT | worker | client CPU (cores) | requests/batch",
+        [
+            "model",
+            "rows_per_request",
+            "form",
+            "concurrency",
+            "requests_per_s",
+            "rows_per_s",
+            "p50_ms",
+            "p90_ms",
+            "p99_ms",
+            "errors",
+            "frontend_cpu_us_per_request",
+            "frontend_jit_cpu_us_per_request",
+            "worker_cpu_us_per_request",
+            "client_cpu_share",
+            "requests_per_batch",
+        ],
+        report["served"],
+    )
     turns = report.get("turns") or []
     if turns:
-        lines += ["", f"**5. The served targets' sides, back to back in {len(turns)} turns** (order reversed every "
-                  "other turn; p50 ms at c=1, req/s for single rows at c=64, rows/s for the 128-row forms and the raw "
-                  "forward)", "", "| | " + " | ".join(f"turn {t['turn']}" for t in turns) + " |",
-                  "|---|" + "---:|" * len(turns)]
-        lines += [f"| {name} | " + " | ".join(f"{t['figures'][name]:,}" for t in turns) + " |" for name in turns[0]["figures"]]
-        lines += [f"| ratio: {name} | " + " | ".join(str(t["ratios"][name]) for t in turns) + " |" for name in turns[0]["ratios"]]
+        lines += [
+            "",
+            f"**5. The served targets' sides, back to back in {len(turns)} turns** (order reversed every "
+            "other turn; p50 ms at c=1, req/s for single rows at c=64, rows/s for the 128-row forms and the raw "
+            "forward)",
+            "",
+            "| | " + " | ".join(f"turn {t['turn']}" for t in turns) + " |",
+            "|---|" + "---:|" * len(turns),
+        ]
+        lines += [
+            f"| {name} | " + " | ".join(f"{t['figures'][name]:,}" for t in turns) + " |" for name in turns[0]["figures"]
+        ]
+        lines += [
+            f"| ratio: {name} | " + " | ".join(str(t["ratios"][name]) for t in turns) + " |"
+            for name in turns[0]["ratios"]
+        ]
         cpus = m.get("available_cpus", m["cpus"])
-        per_core = {name: statistics.median(t["figures"][name] for t in turns) / cpus
-                    for name in ("host B=128", "ranking c=16", "columns c=16", "instances c=16")}
-        lines += ["", f"Per core ({cpus} CPUs, medians over the turns): " + ", ".join(
-            f"{name} {v:,.0f} rows/s" for name, v in per_core.items()) + "."]
+        per_core = {
+            name: statistics.median(t["figures"][name] for t in turns) / cpus
+            for name in ("host B=128", "ranking c=16", "columns c=16", "instances c=16")
+        }
+        lines += [
+            "",
+            f"Per core ({cpus} CPUs, medians over the turns): "
+            + ", ".join(f"{name} {v:,.0f} rows/s" for name, v in per_core.items())
+            + ".",
+        ]
     lines += ["", "**Targets**", "", "| target | measured | range over turns | bound | |", "|---|---:|---:|---:|---|"]
     for t in report["targets"]:
         span = "-".join(map(str, t["range"])) if "range" in t else ""
-        ok = t["bound"] is not None and (t["value"] >= t["bound"] if t["higher_is_better"] else t["value"] <= t["bound"])
+        ok = t["bound"] is not None and (
+            t["value"] >= t["bound"] if t["higher_is_better"] else t["value"] <= t["bound"]
+        )
         verdict = "context" if t["bound"] is None else "met" if ok else "missed"
         lines.append(f"| {t['target']} | {t['value']} | {span} | {t['bound'] or ''} | {verdict} |")
     return "\n".join(lines) + "\n"
@@ -407,14 +595,27 @@ def plot(report, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     raw = report["raw_forward"]
     axes[0].plot([r["batch"] for r in raw], [r["rows_per_s"] for r in raw], "o-", label="raw forward")
-    for rows, form, style in ((1, "instances", "s--"), (RANKING_ROWS, "instances", "^--"), (RANKING_ROWS, "ranking", "v--"),
-                              (RANKING_ROWS, "columns", "d--")):
-        pts = [r for r in report["served"] if r["model"] == "dlrm" and r["rows_per_request"] == rows and r["form"] == form]
-        axes[0].plot([r["concurrency"] * rows for r in pts], [r["rows_per_s"] for r in pts], style,
-                     label=f"served, {rows}-row {form} requests (x: rows in flight)")
+    for rows, form, style in (
+        (1, "instances", "s--"),
+        (RANKING_ROWS, "instances", "^--"),
+        (RANKING_ROWS, "ranking", "v--"),
+        (RANKING_ROWS, "columns", "d--"),
+    ):
+        pts = [
+            r for r in report["served"] if r["model"] == "dlrm" and r["rows_per_request"] == rows and r["form"] == form
+        ]
+        axes[0].plot(
+            [r["concurrency"] * rows for r in pts],
+            [r["rows_per_s"] for r in pts],
+            style,
+            label=f"served, {rows}-row {form} requests (x: rows in flight)",
+        )
     axes[0].set(xscale="log", xlabel="batch (rows)", ylabel="rows/s", title="Rows per second")
     axes[0].legend(fontsize=7, loc="upper left")
-    for ax, key, title in ((axes[1], "requests_per_s", "Requests/s, single-row"), (axes[2], "p99_ms", "p99 latency (ms), single-row")):
+    for ax, key, title in (
+        (axes[1], "requests_per_s", "Requests/s, single-row"),
+        (axes[2], "p99_ms", "p99 latency (ms), single-row"),
+    ):
         for model in ("dlrm", "echo"):
             pts = [r for r in report["served"] if r["model"] == model and r["rows_per_request"] == 1]
             ax.plot([r["concurrency"] for r in pts], [r[key] for r in pts], "o-", label=model)
@@ -426,15 +627,31 @@ def plot(report, path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=str(ROOT / "model-config.criteo.yaml"), help="model config (default: %(default)s)")
+    ap.add_argument(
+        "--config", default=str(ROOT / "model-config.criteo.yaml"), help="model config (default: %(default)s)"
+    )
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per served load point (default: %(default)s)")
-    ap.add_argument("--server-warm-up", type=float, default=40.0,
-                    help="seconds of load over every served model before the first measured point (default: %(default)s)")
-    ap.add_argument("--raw-seconds", type=float, default=4.0, help="seconds per raw/in-process point (default: %(default)s)")
-    ap.add_argument("--turns", type=int, default=3,
-                    help="turns in which both sides of every served target are measured back to back (default: %(default)s)")
-    ap.add_argument("--turn-seconds", type=float, default=4.0,
-                    help="seconds per served point in a turn, after a 2 s warm-up (default: %(default)s)")
+    ap.add_argument(
+        "--server-warm-up",
+        type=float,
+        default=40.0,
+        help="seconds of load over every served model before the first measured point (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--raw-seconds", type=float, default=4.0, help="seconds per raw/in-process point (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--turns",
+        type=int,
+        default=3,
+        help="turns in which both sides of every served target are measured back to back (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--turn-seconds",
+        type=float,
+        default=4.0,
+        help="seconds per served point in a turn, after a 2 s warm-up (default: %(default)s)",
+    )
     ap.add_argument("--out", help="output folder (default: results/<date>-benchmark/)")
     args = ap.parse_args()
 
@@ -467,10 +684,12 @@ def main() -> int:
         host = HostForward(cfg_path, tmp / "model", served_model, cfg)
 
         rng = random.Random(3)
-        bodies = {1: [make_body(cfg, rng, 1) for _ in range(256)],
-                  RANKING_ROWS: [make_body(cfg, rng, RANKING_ROWS) for _ in range(16)],
-                  RANKING: [make_body(cfg, rng, RANKING_ROWS, RANKING) for _ in range(16)],
-                  COLUMNS: [make_body(cfg, rng, RANKING_ROWS, COLUMNS) for _ in range(16)]}
+        bodies = {
+            1: [make_body(cfg, rng, 1) for _ in range(256)],
+            RANKING_ROWS: [make_body(cfg, rng, RANKING_ROWS) for _ in range(16)],
+            RANKING: [make_body(cfg, rng, RANKING_ROWS, RANKING) for _ in range(16)],
+            COLUMNS: [make_body(cfg, rng, RANKING_ROWS, COLUMNS) for _ in range(16)],
+        }
         models = ["dlrm", "echo"]
         try:
             with serving(tmp / "home", store, {m: bodies[1][0] for m in models}) as srv:
@@ -480,7 +699,9 @@ def main() -> int:
                 warm_up_server(srv, models, bodies, args.server_warm_up)
                 served = bench_served(srv, "dlrm", bodies, args.duration)
                 served += bench_served(srv, "echo", {k: bodies[k] for k in (1, RANKING_ROWS)}, args.duration)
-                log(f"the served targets' sides back to back: {args.turns} turns of {args.turn_seconds:.0f} s per point")
+                log(
+                    f"the served targets' sides back to back: {args.turns} turns of {args.turn_seconds:.0f} s per point"
+                )
                 turns = bench_turns(srv, served_model, cfg, bodies, args.turns, args.turn_seconds, host)
                 workers = len(srv.worker_pids("dlrm"))
         finally:
@@ -488,15 +709,24 @@ def main() -> int:
 
     report = {
         "config": cfg_path.name,
-        "machine": {**(mach := machine()), "processor": f"{mach['cpu']}, ISA {mach['isa']}", "torch": torch.__version__,
-                    "torch_threads": threads},
-        "torchserve": {k: ts_doc.get(k) for k in ("batchSize", "maxBatchDelay")} | {"workers": workers,
-                                                                                     "warm_up_s": args.server_warm_up},
-        "raw_forward": raw, "handler": handler_rows, "served": served, "turns": turns,
+        "machine": {
+            **(mach := machine()),
+            "processor": f"{mach['cpu']}, ISA {mach['isa']}",
+            "torch": torch.__version__,
+            "torch_threads": threads,
+        },
+        "torchserve": {k: ts_doc.get(k) for k in ("batchSize", "maxBatchDelay")}
+        | {"workers": workers, "warm_up_s": args.server_warm_up},
+        "raw_forward": raw,
+        "handler": handler_rows,
+        "served": served,
+        "turns": turns,
         "wall_s": round(time.perf_counter() - started),
     }
     report["targets"] = targets(handler_rows, turns, served, len(host.cpus))
-    out = run_dir(__file__, "benchmark", "The serving path against the model's own speed and TorchServe's ceiling", args.out)
+    out = run_dir(
+        __file__, "benchmark", "The serving path against the model's own speed and TorchServe's ceiling", args.out
+    )
     write_report(out / "benchmark", report, markdown(report).splitlines(), plot)
     return 0
 

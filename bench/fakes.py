@@ -41,8 +41,7 @@ class FakeMetrics:
 class FakeContext:
     """What the handler uses of ts.context.Context, recording per-request statuses and types."""
 
-    def __init__(self, model_dir: Path, handler_section: dict | None, serialized: str | None = "dlrm.pt",
-                 gpu_id=None):
+    def __init__(self, model_dir: Path, handler_section: dict | None, serialized: str | None = "dlrm.pt", gpu_id=None):
         self.system_properties = {"model_dir": str(model_dir), "gpu_id": gpu_id, "batch_size": 8}
         model = {"modelName": "dlrm", "handler": "dlrm_handler.py"}
         if serialized:
@@ -114,5 +113,8 @@ class DeltaReferences:
 
     def sequences(self, i: int, got: list[float]) -> list[int]:
         """The sequences whose reference score for request ``i`` equals ``got``."""
-        return [s for s, ref in self.scores.items()
-                if len(ref[i]) == len(got) and all(abs(a - b) <= self.tol for a, b in zip(ref[i], got))]
+        return [
+            s
+            for s, ref in self.scores.items()
+            if len(ref[i]) == len(got) and all(abs(a - b) <= self.tol for a, b in zip(ref[i], got))
+        ]

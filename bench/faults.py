@@ -34,8 +34,18 @@ from datetime import datetime
 from pathlib import Path
 
 from bench.common import (
-    ROOT, build_archive, expected_scores, frontend_pid, log, memory_mb, open_fds, random_instance, run_dir, same_scores,
-    unpack, write_report,
+    ROOT,
+    build_archive,
+    expected_scores,
+    frontend_pid,
+    log,
+    memory_mb,
+    open_fds,
+    random_instance,
+    run_dir,
+    same_scores,
+    unpack,
+    write_report,
 )
 from bench.load import LoadResult, percentile, run_load
 from scripts.tsctl import Server
@@ -62,7 +72,11 @@ class Bench:
         self.cfg = DLRMConfig.from_yaml(self.config_path)
         unpack(self.store / f"{MODEL}.mar", tmp / "model")
         rng = random.Random(args.seed)
-        features, rows, n_dense = list(self.cfg.sparse_features), list(self.cfg.num_embeddings), self.cfg.num_dense_features
+        features, rows, n_dense = (
+            list(self.cfg.sparse_features),
+            list(self.cfg.num_embeddings),
+            self.cfg.num_dense_features,
+        )
         self.pool = []
         for k in range(args.pool):
             insts = [random_instance(rng, features, rows, n_dense) for _ in range(ROWS[k % 2])]
@@ -73,8 +87,9 @@ class Bench:
         # logs/ on a small tmpfs of its own, so the last scenario can fill it (mount needs root).
         logs = tmp / "logs"
         logs.mkdir()
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1g", "tmpfs", str(logs)],
-                                 capture_output=True, text=True)
+        mounted = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1g", "tmpfs", str(logs)], capture_output=True, text=True
+        )
         self.logs_tmpfs = mounted.returncode == 0
         self.mount_error = f"mount failed: {mounted.stderr.strip()}"
         self.srv = Server.on_free_ports(tmp / "home", model_store=self.store, log_dir=logs)
@@ -97,8 +112,16 @@ class Bench:
             return self.pool[k], check
 
         async def go():
-            res = await run_load(f"{self.srv.url}/predictions/{MODEL}", next_request, concurrency, duration,
-                                 10_000_000, deadline_s=self.args.deadline, record=True, stop=stop)
+            res = await run_load(
+                f"{self.srv.url}/predictions/{MODEL}",
+                next_request,
+                concurrency,
+                duration,
+                10_000_000,
+                deadline_s=self.args.deadline,
+                record=True,
+                stop=stop,
+            )
             return res, wrong[0]
 
         return go()
@@ -223,8 +246,7 @@ async def under_load(b: Bench, fault, lead: float = 2.0, tail: float = 2.0, conc
 async def baseline(b: Bench) -> dict:
     rss = b.rss_mb()
     res, wrong = await b.load(b.args.concurrency, b.args.baseline)
-    r = row("baseline", res, wrong, rss_mb_before=rss, rss_mb_after=b.rss_mb(),
-            worker_load_s=b.load_times()[0][1])
+    r = row("baseline", res, wrong, rss_mb_before=rss, rss_mb_after=b.rss_mb(), worker_load_s=b.load_times()[0][1])
     common_checks(r)
     check(r, "all 200", r["ok"] == r["requests"], r["statuses"])
     b.normal_p50, b.normal_p99 = r["latency_ms_p50_p99"]
@@ -268,15 +290,27 @@ async def _signal_worker_during_load(b: Bench, name: str, sig: int, times: int, 
         windows.append((t, seen + 0.05))  # the log has millisecond times
         in_hands.append(sum(1 for s, d, status in failed(res) if s <= seen + 0.05 and d >= t))
     t1 = faults[0][0]
-    r.update(recovery_s=max((x for x in recoveries if x is not None), default=None), recoveries_s=recoveries,
-             worker_load_s=loads, failed_per_fault=in_hands,
-             failed_sent_done_status=[(round(s - t1, 2), round(d - t1, 2), st) for s, d, st in failed(res)[:20]])
+    r.update(
+        recovery_s=max((x for x in recoveries if x is not None), default=None),
+        recoveries_s=recoveries,
+        worker_load_s=loads,
+        failed_per_fault=in_hands,
+        failed_sent_done_status=[(round(s - t1, 2), round(d - t1, 2), st) for s, d, st in failed(res)[:20]],
+    )
     outside = [e for e in failed(res) if not any(e[0] <= seen and e[1] >= t for t, seen in windows)]
     r["noticed_after_s"] = [round(seen - t, 2) for t, seen in windows]
-    check(r, "only requests in the worker's hands fail (sent before TorchServe noticed, answered after)",
-          not outside, f"{len(failed(res))} failed, {len(outside)} of them not held at a fault")
-    check(r, "at most one batch (<= concurrency) fails per fault", all(n <= b.args.concurrency for n in in_hands),
-          in_hands)
+    check(
+        r,
+        "only requests in the worker's hands fail (sent before TorchServe noticed, answered after)",
+        not outside,
+        f"{len(failed(res))} failed, {len(outside)} of them not held at a fault",
+    )
+    check(
+        r,
+        "at most one batch (<= concurrency) fails per fault",
+        all(n <= b.args.concurrency for n in in_hands),
+        in_hands,
+    )
     return r, faults, recoveries, loads
 
 
@@ -296,23 +330,31 @@ async def wait_model_back(b: Bench, old_pid: int, timeout: float) -> None:
 
 async def worker_killed(b: Bench) -> dict:
     r, faults, recoveries, loads = await _signal_worker_during_load(
-        b, "worker killed", signal.SIGKILL, b.args.kills, b.args.kill_gap)
-    check(r, "recovery <= the new worker's load time + 5 s",
-          all(x is not None and lt is not None and x <= lt + 5 for x, lt in zip(recoveries, loads)),
-          f"recovery {recoveries} s, load {loads} s")
+        b, "worker killed", signal.SIGKILL, b.args.kills, b.args.kill_gap
+    )
+    check(
+        r,
+        "recovery <= the new worker's load time + 5 s",
+        all(x is not None and lt is not None and x <= lt + 5 for x, lt in zip(recoveries, loads)),
+        f"recovery {recoveries} s, load {loads} s",
+    )
     return r
 
 
 async def worker_hung(b: Bench) -> dict:
     timeout = b.args.response_timeout
     r, faults, recoveries, loads = await _signal_worker_during_load(
-        b, "worker hung", signal.SIGSTOP, 1, 0, hold=timeout + 3)
+        b, "worker hung", signal.SIGSTOP, 1, 0, hold=timeout + 3
+    )
     t, pid = faults[0]
     replaced = not Path(f"/proc/{pid}").exists() or pid not in b.srv.worker_pids(MODEL)
     check(r, "the hung worker was replaced", replaced, f"pid {pid} gone: {replaced}")
-    check(r, f"recovery <= responseTimeout ({timeout} s) + load time + 5 s",
-          all(x is not None and lt is not None and x <= timeout + lt + 5 for x, lt in zip(recoveries, loads)),
-          f"recovery {recoveries} s, load {loads} s")
+    check(
+        r,
+        f"recovery <= responseTimeout ({timeout} s) + load time + 5 s",
+        all(x is not None and lt is not None and x <= timeout + lt + 5 for x, lt in zip(recoveries, loads)),
+        f"recovery {recoveries} s, load {loads} s",
+    )
     return r
 
 
@@ -333,14 +375,25 @@ async def server_restarted(b: Bench) -> dict:
     rss = b.rss_mb()
     res, wrong, _ = await under_load(b, restart)
     back = first_ok_sent_after(res, marks["stopped"])
-    r = row("server restarted", res, wrong, rss_mb_before=rss, rss_mb_after=b.rss_mb(),
-            recovery_s=round(back - marks["stop"], 2) if back else None,
-            stop_s=round(marks["stopped"] - marks["stop"], 2), worker_load_s=b.load_time_after(marks["stopped"]))
+    r = row(
+        "server restarted",
+        res,
+        wrong,
+        rss_mb_before=rss,
+        rss_mb_after=b.rss_mb(),
+        recovery_s=round(back - marks["stop"], 2) if back else None,
+        stop_s=round(marks["stopped"] - marks["stop"], 2),
+        worker_load_s=b.load_time_after(marks["stopped"]),
+    )
     common_checks(r)
     outside = [e for e in failed(res) if not (marks["stop"] <= e[1] and e[0] <= marks["ready"])]
-    check(r, "requests fail only while the server is down", not outside,
-          f"{len(failed(res))} failed ({r['conn_errors']} connection errors, {r['5xx']} 5xx), "
-          f"{len(outside)} outside the stop..ready window")
+    check(
+        r,
+        "requests fail only while the server is down",
+        not outside,
+        f"{len(failed(res))} failed ({r['conn_errors']} connection errors, {r['5xx']} 5xx), "
+        f"{len(outside)} outside the stop..ready window",
+    )
     check(r, "the model answers again", back is not None, r["recovery_s"])
     return r
 
@@ -351,7 +404,8 @@ async def rollout_under_load(b: Bench) -> dict:
 
     def roll():
         return asyncio.to_thread(
-            rollout.main, ["--home", str(b.srv.home), "--config", str(b.config_path), "--timeout", "180"])
+            rollout.main, ["--home", str(b.srv.home), "--config", str(b.config_path), "--timeout", "180"]
+        )
 
     rss = b.rss_mb()
     res, wrong, rc = await under_load(b, roll, lead=1.0, tail=1.0)
@@ -391,14 +445,21 @@ async def overload(b: Bench) -> dict:
     r["after"] = row("after", after, wrong_after)
     others = {k: v for k, v in res.statuses.items() if k not in (200, 503)}
     check(r, "only 200 or 503 (queue full)", not others and after.statuses.keys() <= {200}, res.statuses)
-    check(r, "503s are quick (p99 < 1 s)", not busy_ms or percentile(busy_ms, 99) < 1000,
-          r["latency_ms_p50_p99_503"])
-    check(r, f"200s bounded by the queue (p99 < responseTimeout {b.args.response_timeout} s)",
-          percentile(ok_ms, 99) < b.args.response_timeout * 1000, r["latency_ms_p50_p99_200"])
+    check(r, "503s are quick (p99 < 1 s)", not busy_ms or percentile(busy_ms, 99) < 1000, r["latency_ms_p50_p99_503"])
+    check(
+        r,
+        f"200s bounded by the queue (p99 < responseTimeout {b.args.response_timeout} s)",
+        percentile(ok_ms, 99) < b.args.response_timeout * 1000,
+        r["latency_ms_p50_p99_200"],
+    )
     grow = {k: round(r["rss_mb_after"][k] - rss[k], 1) for k in rss if rss[k] is not None and r["rss_mb_after"].get(k)}
     check(r, "memory bounded (each process grew < 300 MB)", all(v < 300 for v in grow.values()), grow)
-    check(r, "latency back to baseline within 5 s of the drop", recovered is not None and recovered <= 5,
-          f"{recovered} s (bound: p50 <= {bound:.1f} ms)")
+    check(
+        r,
+        "latency back to baseline within 5 s of the drop",
+        recovered is not None and recovered <= 5,
+        f"{recovered} s (bound: p50 <= {bound:.1f} ms)",
+    )
     return r
 
 
@@ -409,8 +470,10 @@ async def slow_clients(b: Bench) -> dict:
     normal client's throughput beside the faults is compared with its throughput alone."""
     host, port = urllib.parse.urlsplit(b.srv.url).hostname, urllib.parse.urlsplit(b.srv.url).port
     body = b.pool[1]  # 128 rows: a response long enough to hang up in the middle of
-    head = (f"POST /predictions/{MODEL} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    head = (
+        f"POST /predictions/{MODEL} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
     fe = frontend_pid(b.srv)
     await asyncio.sleep(1.0)
     fds0, rss0 = open_fds(fe), b.rss_mb()
@@ -472,17 +535,36 @@ async def slow_clients(b: Bench) -> dict:
         during.wall_s += x.wall_s
         for k, v in x.statuses.items():
             during.statuses[k] = during.statuses.get(k, 0) + v
-    r = row("slow clients", during, sum(w for _, w in alone + beside), rss_mb_before=rss0, rss_mb_after=rss1,
-            throughput_alone_beside=[tput(alone), tput(beside)], throughput_ratio=ratio, hangups=hangups[0],
-            frontend_fds_before_stalled_after=[fds0, max(fds_stalled), max(fds_after)])
+    r = row(
+        "slow clients",
+        during,
+        sum(w for _, w in alone + beside),
+        rss_mb_before=rss0,
+        rss_mb_after=rss1,
+        throughput_alone_beside=[tput(alone), tput(beside)],
+        throughput_ratio=ratio,
+        hangups=hangups[0],
+        frontend_fds_before_stalled_after=[fds0, max(fds_stalled), max(fds_after)],
+    )
     common_checks(r)
-    check(r, "normal client loses < 20% throughput (beside the faults vs alone)", ratio > 0.8,
-          r["throughput_alone_beside"])
-    check(r, "all the normal client's requests answered 200",
-          all(x.statuses.keys() <= {200} and not x.transport_errors for x, _ in alone + beside),
-          [x.statuses for x, _ in alone + beside])
-    check(r, "frontend file descriptors back to baseline (+5)", max(fds_after) <= fds0 + 5,
-          r["frontend_fds_before_stalled_after"])
+    check(
+        r,
+        "normal client loses < 20% throughput (beside the faults vs alone)",
+        ratio > 0.8,
+        r["throughput_alone_beside"],
+    )
+    check(
+        r,
+        "all the normal client's requests answered 200",
+        all(x.statuses.keys() <= {200} and not x.transport_errors for x, _ in alone + beside),
+        [x.statuses for x, _ in alone + beside],
+    )
+    check(
+        r,
+        "frontend file descriptors back to baseline (+5)",
+        max(fds_after) <= fds0 + 5,
+        r["frontend_fds_before_stalled_after"],
+    )
     grow = round(rss1["frontend"] - rss0["frontend"], 1)
     check(r, "frontend memory back near baseline (< 100 MB more)", grow < 100, f"{grow} MB")
     return r
@@ -519,9 +601,14 @@ async def archive_faults(b: Bench) -> dict:
             t = time.perf_counter()
             with contextlib.redirect_stderr(err):
                 rc = await asyncio.to_thread(
-                    rollout.main, ["--home", str(b.srv.home), "--archive", archive, "--timeout", "120"])
-            answers[why] = {"archive": archive, "rc": rc, "seconds": round(time.perf_counter() - t, 1),
-                            "message": err.getvalue().strip()[:400]}
+                    rollout.main, ["--home", str(b.srv.home), "--archive", archive, "--timeout", "120"]
+                )
+            answers[why] = {
+                "archive": archive,
+                "rc": rc,
+                "seconds": round(time.perf_counter() - t, 1),
+                "message": err.getvalue().strip()[:400],
+            }
             log(f"  archive faults: {why}: exit {rc} in {answers[why]['seconds']} s: {answers[why]['message']}")
 
     res, wrong, _ = await under_load(b, register, lead=0.5, tail=1.0, concurrency=4)
@@ -550,8 +637,15 @@ async def logs_disk(b: Bench) -> list[dict]:
         log(f"  logs: tmpfs full ({e.strerror}); the logs took {logs_mb} MB")
     rss = b.rss_mb()
     res, wrong = await b.load(b.args.concurrency, b.args.logs)
-    r = row("logs disk full", res, wrong, rss_mb_before=rss, rss_mb_after=b.rss_mb(),
-            how="logs/ on a 1 GB tmpfs, filled to ENOSPC while serving", logs_mb_written_before=logs_mb)
+    r = row(
+        "logs disk full",
+        res,
+        wrong,
+        rss_mb_before=rss,
+        rss_mb_after=b.rss_mb(),
+        how="logs/ on a 1 GB tmpfs, filled to ENOSPC while serving",
+        logs_mb_written_before=logs_mb,
+    )
     common_checks(r)
     check(r, "scoring goes on", not failed(res) and res.answered > 0, res.statuses)
     (b.srv.log_dir / "filler").unlink(missing_ok=True)
@@ -571,16 +665,28 @@ async def logs_disk(b: Bench) -> list[dict]:
             srv.stop()
         subprocess.run(["umount", "-l", str(ro)], check=False)
     r2 = row("logs read-only", None, 0, how="logs/ on a read-only tmpfs at start", start=message)
-    check(r2, "the start fails at once with a message naming the folder", not started and str(ro) in message,
-          message)
+    check(r2, "the start fails at once with a message naming the folder", not started and str(ro) in message, message)
     return [r, r2]
 
 
 # --- the table ----------------------------------------------------------------------------------
 
 
-COLUMNS = ["scenario", "requests", "200", "4xx", "5xx", "conn err", "unanswered", "wrong scores", "recovery s",
-           "max wait s", "RSS MB before (fe/worker)", "RSS MB after (fe/worker)", "checks"]
+COLUMNS = [
+    "scenario",
+    "requests",
+    "200",
+    "4xx",
+    "5xx",
+    "conn err",
+    "unanswered",
+    "wrong scores",
+    "recovery s",
+    "max wait s",
+    "RSS MB before (fe/worker)",
+    "RSS MB after (fe/worker)",
+    "checks",
+]
 
 
 def table(rows: list[dict]) -> str:
@@ -590,10 +696,21 @@ def table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
         n_ok = sum(c["ok"] for c in r["checks"].values())
-        cells = [r["scenario"], r["requests"], r["ok"], r["4xx"], r["5xx"], r["conn_errors"], r["unanswered"],
-                 r["wrong_scores"], "" if r["recovery_s"] is None else r["recovery_s"], r.get("max_wait_s", ""),
-                 rss(r["rss_mb_before"]), rss(r["rss_mb_after"]),
-                 r.get("skipped") or f"{n_ok}/{len(r['checks'])}"]
+        cells = [
+            r["scenario"],
+            r["requests"],
+            r["ok"],
+            r["4xx"],
+            r["5xx"],
+            r["conn_errors"],
+            r["unanswered"],
+            r["wrong_scores"],
+            "" if r["recovery_s"] is None else r["recovery_s"],
+            r.get("max_wait_s", ""),
+            rss(r["rss_mb_before"]),
+            rss(r["rss_mb_after"]),
+            r.get("skipped") or f"{n_ok}/{len(r['checks'])}",
+        ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -612,23 +729,54 @@ SCENARIOS = {
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--short", action="store_true", help="the integration test's version: fewer, shorter faults (~2 min)")
+    ap.add_argument(
+        "--short", action="store_true", help="the integration test's version: fewer, shorter faults (~2 min)"
+    )
     ap.add_argument("--only", nargs="+", choices=list(SCENARIOS), help="run these scenarios (after the baseline)")
     ap.add_argument("--out", help="write faults.json, faults.md and run.json here (default: results/<date>-faults/)")
     ap.add_argument("--concurrency", type=int, default=16, help="steady clients (default: %(default)s)")
-    ap.add_argument("--deadline", type=float, default=60,
-                    help="seconds a request may wait for its answer before it counts as unanswered (default: %(default)s)")
-    ap.add_argument("--response-timeout", type=int,
-                    help="the archive's responseTimeout, s: a hung worker is killed after it (default: 8, --short: 5)")
+    ap.add_argument(
+        "--deadline",
+        type=float,
+        default=60,
+        help="seconds a request may wait for its answer before it counts as unanswered (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--response-timeout",
+        type=int,
+        help="the archive's responseTimeout, s: a hung worker is killed after it (default: 8, --short: 5)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep", action="store_true", help="keep the server's folder (logs) for a look afterwards")
     ap.add_argument("--pool", type=int, default=200, help="distinct requests, half 1-row, half 128-row")
     args = ap.parse_args(argv)
     # Durations (s) and counts: full run (the issue's figures) / --short.
-    full = dict(baseline=20, kills=3, kill_gap=20, overload=30, overload_concurrency=256, after=8,
-                slow=5, slow_rounds=3, slow_concurrency=8, stalled=200, logs=10)
-    short = dict(baseline=5, kills=1, kill_gap=0, overload=6, overload_concurrency=256, after=5,
-                 slow=3, slow_rounds=1, slow_concurrency=8, stalled=200, logs=3)
+    full = dict(
+        baseline=20,
+        kills=3,
+        kill_gap=20,
+        overload=30,
+        overload_concurrency=256,
+        after=8,
+        slow=5,
+        slow_rounds=3,
+        slow_concurrency=8,
+        stalled=200,
+        logs=10,
+    )
+    short = dict(
+        baseline=5,
+        kills=1,
+        kill_gap=0,
+        overload=6,
+        overload_concurrency=256,
+        after=5,
+        slow=3,
+        slow_rounds=1,
+        slow_concurrency=8,
+        stalled=200,
+        logs=3,
+    )
     for k, v in (short if args.short else full).items():
         setattr(args, k, v)
     args.response_timeout = args.response_timeout or (5 if args.short else 8)
@@ -658,8 +806,14 @@ def main(argv: list[str] | None = None) -> int:
             b.srv.stop()
             if b.logs_tmpfs:
                 subprocess.run(["umount", "-l", str(b.srv.log_dir)], check=False)
-    report = {"short": args.short, "wall_s": round(time.monotonic() - t0, 1), "concurrency": args.concurrency,
-              "response_timeout_s": args.response_timeout, "deadline_s": args.deadline, "rows": rows}
+    report = {
+        "short": args.short,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "concurrency": args.concurrency,
+        "response_timeout_s": args.response_timeout,
+        "deadline_s": args.deadline,
+        "rows": rows,
+    }
     out = run_dir(__file__, "faults", "Faults under load: a private TorchServe broken every way", args.out, argv)
     write_report(out / "faults", report, table(rows).splitlines())
     bad = [f"{r['scenario']}: {n}" for r in rows for n, c in r["checks"].items() if not c["ok"]]

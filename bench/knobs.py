@@ -30,7 +30,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import RANKING, ROOT, build_archive, log, make_kind, measure_load, memory_mb, rows_of, run_dir, serving
+from bench.common import (
+    RANKING,
+    ROOT,
+    build_archive,
+    log,
+    make_kind,
+    measure_load,
+    memory_mb,
+    rows_of,
+    run_dir,
+    serving,
+)
 from bench.common import write_report
 
 # name -> (config.properties overrides, model-config overrides). "shipped" is the kit's own.
@@ -48,8 +59,10 @@ SETTINGS = {
 }
 HANDLER_KEYS = ("torch_threads",)
 # workers x torch threads per worker (the CPU rule's candidates, dlrmkit.cpus.cpu_rule)
-PLACEMENTS = {f"{w} worker(s) x {t} thread(s)": ({}, {"minWorkers": w, "maxWorkers": w, "torch_threads": t})
-              for w, t in ((1, 1), (2, 1), (1, 2))}
+PLACEMENTS = {
+    f"{w} worker(s) x {t} thread(s)": ({}, {"minWorkers": w, "maxWorkers": w, "torch_threads": t})
+    for w, t in ((1, 1), (2, 1), (1, 2))
+}
 POINTS = ((1, 64), (RANKING, 16))  # (request kind, concurrency)
 
 
@@ -69,25 +82,42 @@ def build(cfg_path: Path, store: Path, chosen: list[str], settings: dict) -> dic
 def measure(srv, model: str, bodies: dict, duration: float) -> dict:
     """The POINTS, and MB per worker (the mapped tables are shared: USS is what one more costs)."""
     url = f"{srv.url}/predictions/{model}"
-    out = {f"{'single' if kind == 1 else 'ranking'}_c{c}": measure_load(url, bodies[kind], rows_of(kind), c, duration)
-           for kind, c in POINTS}
+    out = {
+        f"{'single' if kind == 1 else 'ranking'}_c{c}": measure_load(url, bodies[kind], rows_of(kind), c, duration)
+        for kind, c in POINTS
+    }
     out["memory"] = memory_mb(srv.worker_pids(model), ("rss", "pss", "uss"))
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=str(ROOT / "model-config.criteo.yaml"), help="model config (default: %(default)s)")
+    ap.add_argument(
+        "--config", default=str(ROOT / "model-config.criteo.yaml"), help="model config (default: %(default)s)"
+    )
     ap.add_argument("--duration", type=float, default=6.0, help="seconds per load point (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds over all settings (default: %(default)s)")
-    ap.add_argument("--settings", nargs="+", choices=list(SETTINGS) + list(PLACEMENTS), default=None, metavar="NAME",
-                    help="settings to measure, beside 'shipped' (default: all of SETTINGS, or of PLACEMENTS "
-                         "with --placements: %(choices)s)")
-    ap.add_argument("--placements", action="store_true",
-                    help="measure workers x torch threads (PLACEMENTS) instead of TorchServe's knobs; the first is "
-                         "the reference")
-    ap.add_argument("--cpus", type=int, nargs="+", default=[None],
-                    help="pin TorchServe to the first N CPUs, for each N given (default: no pinning)")
+    ap.add_argument(
+        "--settings",
+        nargs="+",
+        choices=list(SETTINGS) + list(PLACEMENTS),
+        default=None,
+        metavar="NAME",
+        help="settings to measure, beside 'shipped' (default: all of SETTINGS, or of PLACEMENTS "
+        "with --placements: %(choices)s)",
+    )
+    ap.add_argument(
+        "--placements",
+        action="store_true",
+        help="measure workers x torch threads (PLACEMENTS) instead of TorchServe's knobs; the first is the reference",
+    )
+    ap.add_argument(
+        "--cpus",
+        type=int,
+        nargs="+",
+        default=[None],
+        help="pin TorchServe to the first N CPUs, for each N given (default: no pinning)",
+    )
     ap.add_argument("--out", help="write knobs.json, knobs.md and run.json here (default: results/<date>-knobs/)")
     args = ap.parse_args()
     settings = PLACEMENTS if args.placements else SETTINGS
@@ -100,11 +130,18 @@ def main() -> int:
     cfg_path = Path(args.config).resolve()
     cfg = DLRMConfig.from_yaml(cfg_path)
     rng = random.Random(5)
-    bodies = {1: [make_kind(1, cfg, rng) for _ in range(256)], RANKING: [make_kind(RANKING, cfg, rng) for _ in range(16)]}
+    bodies = {
+        1: [make_kind(1, cfg, rng) for _ in range(256)],
+        RANKING: [make_kind(RANKING, cfg, rng) for _ in range(16)],
+    }
     started = time.perf_counter()
     # (CPUs, setting) -> one result per round; 1-CPU placements that need 2 CPUs are left out
-    cases = [(n, name) for n in args.cpus for name in chosen
-             if not (args.placements and n == 1 and settings[name][1]["torch_threads"] > 1)]
+    cases = [
+        (n, name)
+        for n in args.cpus
+        for name in chosen
+        if not (args.placements and n == 1 and settings[name][1]["torch_threads"] > 1)
+    ]
     runs: dict[tuple, list[dict]] = {case: [] for case in cases}
     with tempfile.TemporaryDirectory(prefix="dlrm-knobs-") as tmp:
         tmp = Path(tmp)
@@ -118,13 +155,24 @@ def main() -> int:
                 with serving(home, store, {model: bodies[1][0]}, None, 300, cpus, overrides=settings[name][0]) as srv:
                     got = measure(srv, model, bodies, args.duration)
                 runs[n, name].append(got)
-                log(f"round {r + 1}/{args.rounds} {name} on {n or 'all'} CPU(s): " + ", ".join(
-                    f"{k} {v['requests_per_s']:,.0f} req/s p99 {v['p99_ms']:.1f} ms" for k, v in got.items()
-                    if k != "memory") + f"; worker USS {got['memory']['uss']} MB")
+                log(
+                    f"round {r + 1}/{args.rounds} {name} on {n or 'all'} CPU(s): "
+                    + ", ".join(
+                        f"{k} {v['requests_per_s']:,.0f} req/s p99 {v['p99_ms']:.1f} ms"
+                        for k, v in got.items()
+                        if k != "memory"
+                    )
+                    + f"; worker USS {got['memory']['uss']} MB"
+                )
 
-    report = {"config": cfg_path.name,
-              "cpus": len(os.sched_getaffinity(0)), "rounds": args.rounds, "duration_s": args.duration,
-              "reference": ref, "settings": {}}
+    report = {
+        "config": cfg_path.name,
+        "cpus": len(os.sched_getaffinity(0)),
+        "rounds": args.rounds,
+        "duration_s": args.duration,
+        "reference": ref,
+        "settings": {},
+    }
     for (n, name), rs in runs.items():
         base = runs[n, ref]
         row = {"pinned_cpus": n, "memory_mb_per_worker": rs[-1]["memory"]}
@@ -132,25 +180,40 @@ def main() -> int:
             med = {k: statistics.median(x[point][k] for x in rs) for k in ("requests_per_s", "rows_per_s", "p99_ms")}
             # ratio to the reference setting, round by round (the same stretch of machine time)
             ratios = [x[point]["requests_per_s"] / b[point]["requests_per_s"] for x, b in zip(rs, base)]
-            row[point] = {**{k: round(v, 1) for k, v in med.items()}, "vs_shipped": round(statistics.median(ratios), 3),
-                          "vs_range": [round(min(ratios), 3), round(max(ratios), 3)],
-                          "range": [round(min(x[point]["rows_per_s"] for x in rs)), round(max(x[point]["rows_per_s"] for x in rs))],
-                          "p99_range": [round(min(x[point]["p99_ms"] for x in rs), 1), round(max(x[point]["p99_ms"] for x in rs), 1)],
-                          "errors": sum(x[point]["errors"] for x in rs)}
+            row[point] = {
+                **{k: round(v, 1) for k, v in med.items()},
+                "vs_shipped": round(statistics.median(ratios), 3),
+                "vs_range": [round(min(ratios), 3), round(max(ratios), 3)],
+                "range": [
+                    round(min(x[point]["rows_per_s"] for x in rs)),
+                    round(max(x[point]["rows_per_s"] for x in rs)),
+                ],
+                "p99_range": [
+                    round(min(x[point]["p99_ms"] for x in rs), 1),
+                    round(max(x[point]["p99_ms"] for x in rs), 1),
+                ],
+                "errors": sum(x[point]["errors"] for x in rs),
+            }
         report["settings"][name if n is None else f"{name} on {n} CPU(s)"] = row
     report["wall_s"] = round(time.perf_counter() - started)
-    lines = [f"TorchServe settings on {report['cpus']} CPUs, `{report['config']}`; median of {args.rounds} rounds of "
-             f"{args.duration:g} s per point, the cases' order reversed every round; `vs {ref}`: req/s over "
-             f"{ref}'s in the same round (median, range){' on the same CPUs' if args.cpus != [None] else ''}. "
-             "Worker memory: MB per worker (RSS / PSS / USS, the last the pages no other process shares).", "",
-             f"| setting | single row c=64 req/s | vs {ref} | p99 ms | ranking 128 rows c=16 rows/s (range) | vs {ref} | "
-             "p99 ms (range) | errors | worker MB RSS / PSS / USS |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"TorchServe settings on {report['cpus']} CPUs, `{report['config']}`; median of {args.rounds} rounds of "
+        f"{args.duration:g} s per point, the cases' order reversed every round; `vs {ref}`: req/s over "
+        f"{ref}'s in the same round (median, range){' on the same CPUs' if args.cpus != [None] else ''}. "
+        "Worker memory: MB per worker (RSS / PSS / USS, the last the pages no other process shares).",
+        "",
+        f"| setting | single row c=64 req/s | vs {ref} | p99 ms | ranking 128 rows c=16 rows/s (range) | vs {ref} | "
+        "p99 ms (range) | errors | worker MB RSS / PSS / USS |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, row in report["settings"].items():
         s, k, m = row["single_c64"], row["ranking_c16"], row["memory_mb_per_worker"]
-        lines.append(f"| {name} | {s['requests_per_s']:,.0f} | {s['vs_shipped']} ({'-'.join(map(str, s['vs_range']))}) | "
-                     f"{s['p99_ms']} | {k['rows_per_s']:,.0f} ({k['range'][0]:,}-{k['range'][1]:,}) | {k['vs_shipped']} "
-                     f"({'-'.join(map(str, k['vs_range']))}) | {k['p99_ms']} ({k['p99_range'][0]}-{k['p99_range'][1]}) | "
-                     f"{s['errors'] + k['errors']} | {m['rss']} / {m['pss']} / {m['uss']} |")
+        lines.append(
+            f"| {name} | {s['requests_per_s']:,.0f} | {s['vs_shipped']} ({'-'.join(map(str, s['vs_range']))}) | "
+            f"{s['p99_ms']} | {k['rows_per_s']:,.0f} ({k['range'][0]:,}-{k['range'][1]:,}) | {k['vs_shipped']} "
+            f"({'-'.join(map(str, k['vs_range']))}) | {k['p99_ms']} ({k['p99_range'][0]}-{k['p99_range'][1]}) | "
+            f"{s['errors'] + k['errors']} | {m['rss']} / {m['pss']} / {m['uss']} |"
+        )
     write_report(run_dir(__file__, "knobs", "TorchServe's settings, measured", args.out) / "knobs", report, lines)
     return 0
 

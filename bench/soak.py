@@ -60,7 +60,10 @@ def bad_requests(features, rows, n_dense) -> list[tuple[bytes, int]]:
         (with_(keys=["x" * 10_000]), 400),
         (json.dumps({"instances": []}).encode(), 400),
         (json.dumps({"instances": [ok] * 4097}).encode(), 413),
-        (json.dumps({**ok, "sparse": {"keys": [features[0]], "values": [1] * 65_537, "lengths": [65_537]}}).encode(), 413),
+        (
+            json.dumps({**ok, "sparse": {"keys": [features[0]], "values": [1] * 65_537, "lengths": [65_537]}}).encode(),
+            413,
+        ),
     ]
 
 
@@ -136,12 +139,15 @@ def main() -> int:
 
         def progress(res, elapsed):
             pids_seen.update(pids_or_none(mgmt, args.model))
-            log(f"{elapsed:5.0f} s: sent {res.sent}, answered {res.answered}, wrong status {wrong_status}, "
-                f"wrong scores {wrong_scores}, worker pids seen {len(pids_seen)}")
+            log(
+                f"{elapsed:5.0f} s: sent {res.sent}, answered {res.answered}, wrong status {wrong_status}, "
+                f"wrong scores {wrong_scores}, worker pids seen {len(pids_seen)}"
+            )
 
         log(f"{args.duration:.0f} s at concurrency {args.concurrency}, {args.bad_fraction:.0%} bad")
-        res = asyncio.run(run_load(endpoint, next_request, args.concurrency, args.duration, args.max_requests,
-                                   progress=progress))
+        res = asyncio.run(
+            run_load(endpoint, next_request, args.concurrency, args.duration, args.max_requests, progress=progress)
+        )
         end_pids = pids_or_none(mgmt, args.model)
         pids_seen.update(end_pids)
         report = {
@@ -163,10 +169,20 @@ def main() -> int:
         }
     clean = report["lost"] == 0 and wrong_status == 0 and wrong_scores == 0 and report["worker_restarts"] == 0
     keys = ("sent", "answered", "lost", "wrong_status", "wrong_scores", "worker_restarts", "requests_per_s")
-    lines = ["| " + " | ".join(keys) + " | statuses | p50 / p99 ms |", "|" + "---:|" * (len(keys) + 2),
-             "| " + " | ".join(str(report[k]) for k in keys) + f" | {report['statuses']} | "
-             + " / ".join(map(str, report["latency_ms_p50_p99"])) + " |", "", f"{'PASS' if clean else 'FAIL'}"]
-    write_report(run_dir(__file__, "soak", "Soak: mixed good/bad load, every answer checked", args.out) / "soak", report, lines)
+    lines = [
+        "| " + " | ".join(keys) + " | statuses | p50 / p99 ms |",
+        "|" + "---:|" * (len(keys) + 2),
+        "| "
+        + " | ".join(str(report[k]) for k in keys)
+        + f" | {report['statuses']} | "
+        + " / ".join(map(str, report["latency_ms_p50_p99"]))
+        + " |",
+        "",
+        f"{'PASS' if clean else 'FAIL'}",
+    ]
+    write_report(
+        run_dir(__file__, "soak", "Soak: mixed good/bad load, every answer checked", args.out) / "soak", report, lines
+    )
     return 0 if clean else 1
 
 

@@ -40,7 +40,6 @@ class Batch:
     remapped_ids: int = 0  # ids folded by id_overflow: modulo
 
 
-
 @dataclass
 class RequestBatch:
     """One TorchServe batch on its way through the handler's preprocess, inference and postprocess:
@@ -143,22 +142,25 @@ def _collate_onehot(requests: Sequence[ParsedRequest], config: DLRMConfig, devic
     values [f0 ids of b0, b1 | f2 ids of b0, b1]. None when an id is out of range: the general
     path names it (or folds it)."""
     features = requests[0].onehot[0]
-    ids = (requests[0].onehot[1] if len(requests) == 1
-           else np.concatenate([r.onehot[1] for r in requests], axis=1))
+    ids = requests[0].onehot[1] if len(requests) == 1 else np.concatenate([r.onehot[1] for r in requests], axis=1)
     if features and (ids >= _feature_rows(config, features)).any():
         return None
     B = ids.shape[1]
     lengths = np.zeros((config.num_features, B), dtype=np.int64)
     lengths[list(features)] = 1
-    dense = np.concatenate([np.asarray(r.dense, dtype=np.float32) for r in requests]) if len(requests) > 1 \
+    dense = (
+        np.concatenate([np.asarray(r.dense, dtype=np.float32) for r in requests])
+        if len(requests) > 1
         else np.asarray(requests[0].dense, dtype=np.float32)
+    )
     kjt = KeyedJaggedTensor(
         keys=list(config.sparse_features),
         values=_on(torch.from_numpy(np.ascontiguousarray(ids).reshape(-1)), device),
         lengths=_on(torch.from_numpy(lengths.reshape(-1)), device),
     )
-    return Batch(_on(torch.from_numpy(dense.reshape(B, config.num_dense_features)), device), kjt,
-                 [r.n for r in requests])
+    return Batch(
+        _on(torch.from_numpy(dense.reshape(B, config.num_dense_features)), device), kjt, [r.n for r in requests]
+    )
 
 
 def _on(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -247,7 +249,9 @@ def scores(
     if pool is None or len(spans := row_spans(batch.dense.shape[0], config.threads.split_rows, parts)) == 1:
         logits = _logits(model, batch.dense, batch.sparse, config)
     else:
-        later = [pool.submit(_logits, model, batch.dense[a:b], rows_of(batch.sparse, a, b), config) for a, b in spans[1:]]
+        later = [
+            pool.submit(_logits, model, batch.dense[a:b], rows_of(batch.sparse, a, b), config) for a, b in spans[1:]
+        ]
         try:
             (a, b) = spans[0]
             first = _logits(model, batch.dense[a:b], rows_of(batch.sparse, a, b), config)

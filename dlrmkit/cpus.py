@@ -24,8 +24,9 @@ class Placement(NamedTuple):
     threads: int  # torch intra-op threads per worker
 
 
-def available_cpus(root: str | Path = "/sys/fs/cgroup", proc_cgroup: str | Path = "/proc/self/cgroup",
-                   affinity: set[int] | None = None) -> int:
+def available_cpus(
+    root: str | Path = "/sys/fs/cgroup", proc_cgroup: str | Path = "/proc/self/cgroup", affinity: set[int] | None = None
+) -> int:
     """CPUs this process may use: its affinity, capped by the CPU quota of its cgroup and of every
     cgroup above it. ``root``, ``proc_cgroup`` and ``affinity`` are for tests (a fake cgroup tree).
 

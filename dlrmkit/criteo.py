@@ -69,13 +69,16 @@ def to_bytes(body: str | bytes | bytearray | memoryview | None) -> bytes:
         line = raw.count(b"\n", 0, u.start) + 1
         col = u.start - (raw.rfind(b"\n", 0, u.start) + 1)
         field = raw.count(b"\t", u.start - col, u.start) + 1
-        raise BadRequest(f"line {line}, field {field}: expected UTF-8 text, got the invalid byte "
-                         f"0x{raw[u.start]:02x}") from None
+        raise BadRequest(
+            f"line {line}, field {field}: expected UTF-8 text, got the invalid byte 0x{raw[u.start]:02x}"
+        ) from None
     return raw
 
 
-_EMPTY = (f"body: expected Criteo TSV lines ({NUM_DENSE + NUM_CAT} tab-separated fields, or "
-          f"{NUM_DENSE + NUM_CAT + 1} with the label first), got an empty body")
+_EMPTY = (
+    f"body: expected Criteo TSV lines ({NUM_DENSE + NUM_CAT} tab-separated fields, or "
+    f"{NUM_DENSE + NUM_CAT + 1} with the label first), got an empty body"
+)
 
 
 def count_lines(raw: bytes) -> int:
@@ -105,27 +108,40 @@ def parse(raw: bytes, cat_names: Sequence[str] = CAT_NAMES, first_line: int = 1)
     bad = (counts != wide) & (counts != wide + 1)
     if bad.any():
         i = int(np.argmax(bad))
-        raise BadRequest(f"line {first_line + i}: expected {wide} tab-separated fields ({NUM_DENSE} integers, "
-                         f"{NUM_CAT} hex ids) or {wide + 1} (the label first), got {int(counts[i])}")
+        raise BadRequest(
+            f"line {first_line + i}: expected {wide} tab-separated fields ({NUM_DENSE} integers, "
+            f"{NUM_CAT} hex ids) or {wide + 1} (the label first), got {int(counts[i])}"
+        )
     label = (counts == wide + 1).astype(np.int64)
     first = np.cumsum(counts) - counts  # each line's first field
     col = first[:, None] + label[:, None] + np.arange(wide)[None, :]  # [n, 39]: the 39 feature fields
     dense, dense_bad = _decimal(a, starts[col[:, :NUM_DENSE]], ends[col[:, :NUM_DENSE]])
     ids, ids_bad = _hex(a, starts[col[:, NUM_DENSE:]], ends[col[:, NUM_DENSE:]])
     if dense_bad is not None or ids_bad is not None:
-        bad = np.concatenate([dense_bad if dense_bad is not None else np.zeros_like(col[:, :NUM_DENSE], bool),
-                              ids_bad if ids_bad is not None else np.zeros_like(col[:, NUM_DENSE:], bool)], axis=1)
+        bad = np.concatenate(
+            [
+                dense_bad if dense_bad is not None else np.zeros_like(col[:, :NUM_DENSE], bool),
+                ids_bad if ids_bad is not None else np.zeros_like(col[:, NUM_DENSE:], bool),
+            ],
+            axis=1,
+        )
         i, j = divmod(int(np.argmax(bad.reshape(-1))), wide)
         s, e = int(starts[col[i, j]]), int(ends[col[i, j]])
         text = raw[s:e].decode("utf-8", "replace")
         shown = repr(text if len(text) <= 32 else text[:29] + "...")
         if j < NUM_DENSE:
-            what = ("expected an integer that fits int32 (torchrec's dense dtype)" if _is_decimal(text)
-                    else "expected an integer")
+            what = (
+                "expected an integer that fits int32 (torchrec's dense dtype)"
+                if _is_decimal(text)
+                else "expected an integer"
+            )
             name = DENSE_NAMES[j]
         else:
-            what = ("expected a hex id that fits int64 (at most 7fffffffffffffff)" if _is_hex(text)
-                    else "expected hex digits")
+            what = (
+                "expected a hex id that fits int64 (at most 7fffffffffffffff)"
+                if _is_hex(text)
+                else "expected hex digits"
+            )
             name = cat_names[j - NUM_DENSE]
         raise BadRequest(f"line {first_line + i}, field {j + 1 + int(label[i])} ({name}): {what}, got {shown}")
     labels = np.full(n, -1, dtype=np.int64)

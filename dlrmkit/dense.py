@@ -124,7 +124,8 @@ class DenseHalf(nn.Module):
         super().__init__()
         # torchrec's DenseArch, InteractionArch (or its DCN / projection kind) and OverArch
         self.dense_arch, self.inter_arch, self.over_arch = (
-            cast(nn.Module, getattr(model, name)) for name in ("dense_arch", "inter_arch", "over_arch"))
+            cast(nn.Module, getattr(model, name)) for name in ("dense_arch", "inter_arch", "over_arch")
+        )
         crossnet = getattr(self.inter_arch, "crossnet", None)
         if crossnet is not None and hasattr(crossnet, "V_kernels"):
             # A shallow copy with its own child table: the model's module keeps torchrec's crossnet.
@@ -353,4 +354,3 @@ def read_calibration(model_dir: str | Path) -> dict | None:
     if not isinstance(data, dict) or not {"dense", "pooled"} <= set(data):
         raise ConfigError(f"{path}: expected a dict with dense and pooled tensors")
     return data
-

@@ -142,8 +142,10 @@ class DLRMFactory:
         or for a quantized ``embedding_dtype`` torchrec's quantized rows (split scale/bias), so
         loading never sees fp32 tables."""
         state = model.state_dict()
-        rows = fused_rows({k[len(TABLES) : -len(".weight")]: v for k, v in state.items() if k.startswith(TABLES)},
-                          self.config.build.embedding_dtype)
+        rows = fused_rows(
+            {k[len(TABLES) : -len(".weight")]: v for k, v in state.items() if k.startswith(TABLES)},
+            self.config.build.embedding_dtype,
+        )
         tables = {f"{TABLES}{t}.weight": r for t, r in rows.items()}
         dense = {k: v for k, v in state.items() if not k.startswith(EBC)}
         # in the order the archives always had (the same file, so the same base_version)
@@ -187,14 +189,18 @@ class DLRMFactory:
         c, n = self.config, 8
         dense = torch.randn(n, c.num_dense_features, generator=torch.Generator().manual_seed(0))
         # id 0 of every table: random ids would page in (and count in RSS) scattered table pages
-        kjt = KeyedJaggedTensor(keys=list(c.sparse_features), values=torch.zeros(c.num_features * n, dtype=torch.int64),
-                                lengths=torch.ones(c.num_features * n, dtype=torch.int64))
+        kjt = KeyedJaggedTensor(
+            keys=list(c.sparse_features),
+            values=torch.zeros(c.num_features * n, dtype=torch.int64),
+            lengths=torch.ones(c.num_features * n, dtype=torch.int64),
+        )
         device = next(model.over_arch.parameters()).device
         seen: dict[str, tuple] = {}
 
         def keep(name):
             def hook(module, args, out):
                 seen[name] = (args, out)  # returns None: the output stays as it is
+
             return hook
 
         hooks = [getattr(model, name).register_forward_hook(keep(name)) for name in ("dense_arch", "over_arch")]
@@ -247,13 +253,21 @@ class DLRMFactory:
             if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
                 shape = list(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
                 unit = "embedding_dim" if want.dtype == torch.float32 else "bytes per row"
-                other_dtype = key.startswith(TABLES) and isinstance(got, torch.Tensor) and got.dim() == 2 \
+                other_dtype = (
+                    key.startswith(TABLES)
+                    and isinstance(got, torch.Tensor)
+                    and got.dim() == 2
                     and got.shape[0] == want.shape[0]
+                )
                 raise ConfigError(
                     f"checkpoint: {what} has shape {shape}, the config expects {list(want.shape)}"
                     + (f" (num_embeddings x {unit})" if key.startswith(TABLES) else "")
-                    + (f"; was the archive built for another handler.embedding_dtype than "
-                       f"{self.config.build.embedding_dtype}?" if other_dtype else "")
+                    + (
+                        f"; was the archive built for another handler.embedding_dtype than "
+                        f"{self.config.build.embedding_dtype}?"
+                        if other_dtype
+                        else ""
+                    )
                 )
         extra = sorted(set(state) - set(expected))
         if extra:
@@ -282,5 +296,5 @@ def _read(weights: str | Path) -> object:
 
 def _describe(key: str) -> str:
     if key.startswith(TABLES):
-        return f"table {key[len(TABLES):].rsplit('.', 1)[0]!r}"
+        return f"table {key[len(TABLES) :].rsplit('.', 1)[0]!r}"
     return f"layer {key!r}"

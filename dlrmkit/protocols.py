@@ -83,21 +83,28 @@ class CriteoLines(Predictions):
     def parse(self) -> ParsedRequest:
         c = self.parser.config
         if c.raw.raw_input != "criteo_tsv":
-            raise BadRequest(f"Content-Type: {criteo.CONTENT_TYPE} is Criteo log lines, which this model "
-                             "does not take (handler.raw_input is not set); send JSON with Content-Type: "
-                             "application/json")
+            raise BadRequest(
+                f"Content-Type: {criteo.CONTENT_TYPE} is Criteo log lines, which this model "
+                "does not take (handler.raw_input is not set); send JSON with Content-Type: "
+                "application/json"
+            )
         raw = criteo.to_bytes(self.body)
         n = criteo.count_lines(raw)
         if n > c.requests.max_instances_per_request:
-            raise PayloadTooLarge(f"body: at most {c.requests.max_instances_per_request} lines per request "
-                                  f"(handler.max_instances_per_request), got {n}")
+            raise PayloadTooLarge(
+                f"body: at most {c.requests.max_instances_per_request} lines per request "
+                f"(handler.max_instances_per_request), got {n}"
+            )
         if n * c.num_features > c.requests.max_ids_per_request:
-            raise PayloadTooLarge(f"body: at most {c.requests.max_ids_per_request} ids per request "
-                                  f"(handler.max_ids_per_request: {c.num_features} per line), got {n * c.num_features}")
+            raise PayloadTooLarge(
+                f"body: at most {c.requests.max_ids_per_request} ids per request "
+                f"(handler.max_ids_per_request: {c.num_features} per line), got {n * c.num_features}"
+            )
         lines = criteo.parse(raw, c.sparse_features)
         dense, self.clipped = criteo.dense_features(lines.dense, c.raw.dense_shift)
-        return ParsedRequest.single_hot_matrix(dense, range(c.num_features), np.ascontiguousarray(lines.ids.T),
-                                               c.sparse_features)
+        return ParsedRequest.single_hot_matrix(
+            dense, range(c.num_features), np.ascontiguousarray(lines.ids.T), c.sparse_features
+        )
 
 
 class KServeV1(Predictions):
@@ -116,6 +123,7 @@ class KServeV1(Predictions):
 
 
 # --- Open Inference Protocol v2 -------------------------------------------------------------
+
 
 class _Tensor(msgspec.Struct):
     name: str
@@ -197,8 +205,9 @@ class OIPv2(KServeV1):
         except msgspec.MsgspecError as e:
             name = _non_finite_input(bytes(raw[:n]))
             if name:
-                raise BadRequest(f"{name}: data: NaN and Infinity are not numbers in JSON; send finite "
-                                 "numbers") from None
+                raise BadRequest(
+                    f"{name}: data: NaN and Infinity are not numbers in JSON; send finite numbers"
+                ) from None
             raise BadRequest(f"body: expected an inference request in JSON, got malformed JSON ({e})") from None
 
 
@@ -243,26 +252,33 @@ def _columns(req: _InferRequest, tail: memoryview, parser: RequestParser) -> Par
             raise BadRequest(f"{t.name}: input appears more than once")
         arrays[t.name], offset = _tensor(t, tail, offset)
     if offset != len(tail):
-        raise BadRequest(f"{BINARY_HEADER}: {len(tail) - offset} bytes after the JSON header belong to no input "
-                         f"(each binary input gives its parameters.binary_data_size)")
+        raise BadRequest(
+            f"{BINARY_HEADER}: {len(tail) - offset} bytes after the JSON header belong to no input "
+            f"(each binary input gives its parameters.binary_data_size)"
+        )
 
     dense = arrays.pop("dense", None)
     if dense is None:
         raise BadRequest(f"dense: required input is missing (FP32 [B, {config.num_dense_features}])")
     if dense.dtype.kind != "f" or dense.ndim != 2 or dense.shape[1] != config.num_dense_features:
-        raise BadRequest(f"dense: expected FP32 shape [B, {config.num_dense_features}], got "
-                         f"{_name(dense.dtype)} {list(dense.shape)}")
+        raise BadRequest(
+            f"dense: expected FP32 shape [B, {config.num_dense_features}], got {_name(dense.dtype)} {list(dense.shape)}"
+        )
     n = dense.shape[0]
     if n < 1:
         raise BadRequest("dense: expected at least one row, got shape [0, ...]")
     if n > config.requests.max_instances_per_request:
-        raise PayloadTooLarge(f"dense: at most {config.requests.max_instances_per_request} rows per request "
-                              f"(handler.max_instances_per_request), got {n}")
+        raise PayloadTooLarge(
+            f"dense: at most {config.requests.max_instances_per_request} rows per request "
+            f"(handler.max_instances_per_request), got {n}"
+        )
     dense = dense.astype(np.float32)  # FP64 past float32's range becomes inf: refused below
     if not np.isfinite(dense).all():
         bad = np.flatnonzero(~np.isfinite(dense.reshape(-1)))[0]
-        raise BadRequest(f"dense: expected finite FP32 numbers, got {dense.reshape(-1)[bad]} at "
-                         f"[{bad // dense.shape[1]}, {bad % dense.shape[1]}]")
+        raise BadRequest(
+            f"dense: expected finite FP32 numbers, got {dense.reshape(-1)[bad]} at "
+            f"[{bad // dense.shape[1]}, {bad % dense.shape[1]}]"
+        )
 
     index = parser.feature_index
     bags, ones, fields = {}, {}, {}  # ones: features sent as one id per row
@@ -270,14 +286,15 @@ def _columns(req: _InferRequest, tail: memoryview, parser: RequestParser) -> Par
         base, dot, part = name.rpartition(".")
         feature = base if dot and part in ("lengths", "values") else name
         if feature not in index:
-            raise BadRequest(f"{name}: unknown input; expected dense and, per sparse feature f of "
-                             f"{', '.join(config.sparse_features[:6])}{', ...' if config.num_features > 6 else ''}: "
-                             "f (one id per row) or f.lengths + f.values")
+            raise BadRequest(
+                f"{name}: unknown input; expected dense and, per sparse feature f of "
+                f"{', '.join(config.sparse_features[:6])}{', ...' if config.num_features > 6 else ''}: "
+                "f (one id per row) or f.lengths + f.values"
+            )
         f = index[feature]
         if f in fields:
             continue
-        one, lengths, values = (arrays.get(feature), arrays.get(feature + ".lengths"),
-                                arrays.get(feature + ".values"))
+        one, lengths, values = (arrays.get(feature), arrays.get(feature + ".lengths"), arrays.get(feature + ".values"))
         for got, what in ((one, feature), (lengths, feature + ".lengths"), (values, feature + ".values")):
             if got is not None and got.dtype.kind != "i":
                 raise BadRequest(f"{what}: expected INT64 or INT32 ids, got {_name(got.dtype)}")
@@ -291,17 +308,23 @@ def _columns(req: _InferRequest, tail: memoryview, parser: RequestParser) -> Par
         else:
             if lengths is None or values is None:
                 missing = feature + (".values" if values is None else ".lengths")
-                raise BadRequest(f"{missing}: required input is missing (it goes with "
-                                 f"{feature}{'.lengths' if values is None else '.values'})")
+                raise BadRequest(
+                    f"{missing}: required input is missing (it goes with "
+                    f"{feature}{'.lengths' if values is None else '.values'})"
+                )
             if values.ndim != 1:
                 raise BadRequest(f"{feature}.values: expected shape [sum({feature}.lengths)], got {list(values.shape)}")
-            bags[f] = (lengths.reshape(-1) if lengths.shape == (n, 1) else lengths).astype(np.int64, copy=False), \
-                values.astype(np.int64, copy=False)
+            bags[f] = (
+                (lengths.reshape(-1) if lengths.shape == (n, 1) else lengths).astype(np.int64, copy=False),
+                values.astype(np.int64, copy=False),
+            )
             fields[f] = (feature + ".lengths", feature + ".values")
     n_ids = sum(v.size for _, v in bags.values()) + n * len(ones)
     if n_ids > config.requests.max_ids_per_request:
-        raise PayloadTooLarge(f"inputs: at most {config.requests.max_ids_per_request} ids per request "
-                              f"(handler.max_ids_per_request), got {n_ids}")
+        raise PayloadTooLarge(
+            f"inputs: at most {config.requests.max_ids_per_request} ids per request "
+            f"(handler.max_ids_per_request), got {n_ids}"
+        )
     if not bags:  # the usual single-hot request: checked and laid out in a few array operations
         return ParsedRequest.single_hot(dense, ones, {f: names[1] for f, names in fields.items()})
     bags.update({f: (np.ones(n, dtype=np.int64), ids.astype(np.int64, copy=False)) for f, ids in ones.items()})
@@ -336,8 +359,14 @@ def _binary_single_hot(req: _InferRequest, tail: memoryview, parser: RequestPars
     features, names = [], []
     for j, (t, at, size) in enumerate(id_spans):
         f = index.get(t.name)
-        if (f is None or f in features or t.datatype != "INT64" or t.shape not in ([n], [n, 1]) or size != 8 * n
-                or at != ids_at + 8 * n * j):  # the id inputs back to back
+        if (
+            f is None
+            or f in features
+            or t.datatype != "INT64"
+            or t.shape not in ([n], [n, 1])
+            or size != 8 * n
+            or at != ids_at + 8 * n * j
+        ):  # the id inputs back to back
             return None
         features.append(f)
         names.append(t.name)
@@ -355,8 +384,10 @@ def _tensor(t: _Tensor, tail: memoryview, offset: int) -> tuple[np.ndarray, int]
     """One input as an array of its shape; ``offset`` walks the binary tail."""
     dtype = _DTYPES.get(t.datatype)
     if dtype is None:
-        raise BadRequest(f"{t.name}: datatype {t.datatype!r} is not accepted here; expected "
-                         f"{' or '.join(_FLOATS)} for dense, {' or '.join(_INTS)} for ids")
+        raise BadRequest(
+            f"{t.name}: datatype {t.datatype!r} is not accepted here; expected "
+            f"{' or '.join(_FLOATS)} for dense, {' or '.join(_INTS)} for ids"
+        )
     if any(d < 0 for d in t.shape):
         raise BadRequest(f"{t.name}: shape {t.shape} has a negative dimension")
     count = math.prod(t.shape)
@@ -366,8 +397,10 @@ def _tensor(t: _Tensor, tail: memoryview, offset: int) -> tuple[np.ndarray, int]
             raise BadRequest(f"{t.name}: give either data or parameters.binary_data_size, not both")
         itemsize = np.dtype(dtype).itemsize
         if not isinstance(size, int) or isinstance(size, bool) or size != count * itemsize:
-            raise BadRequest(f"{t.name}: parameters.binary_data_size: expected {count * itemsize} "
-                             f"({count} x {t.datatype} of shape {t.shape}), got {size!r}")
+            raise BadRequest(
+                f"{t.name}: parameters.binary_data_size: expected {count * itemsize} "
+                f"({count} x {t.datatype} of shape {t.shape}), got {size!r}"
+            )
         if offset + size > len(tail):
             raise BadRequest(f"{t.name}: the body ends {offset + size - len(tail)} bytes short of its binary data")
         arr = np.frombuffer(tail[offset : offset + size], dtype=np.dtype(dtype).newbyteorder("<"))
@@ -396,8 +429,15 @@ def _name(dtype: np.dtype) -> str:
 
 # --- choosing the protocol ------------------------------------------------------------------
 
-def open_request(body: Any, kserve_route: bool, json_length: str | None, parser: RequestParser,
-                 model: tuple[str, str], content_type: str | None = None) -> Predictions:
+
+def open_request(
+    body: Any,
+    kserve_route: bool,
+    json_length: str | None,
+    parser: RequestParser,
+    model: tuple[str, str],
+    content_type: str | None = None,
+) -> Predictions:
     """The protocol object of one request. ``kserve_route``: it came on /v1 or /v2 rather than
     /predictions or gRPC; ``json_length``: its Inference-Header-Content-Length, if any;
     ``content_type``: its Content-Type (text/tab-separated-values: Criteo lines).
@@ -409,8 +449,11 @@ def open_request(body: Any, kserve_route: bool, json_length: str | None, parser:
     if json_length is not None:
         n = _byte_count(json_length)
         if n < 0:
-            return _Refused(body, parser, BadRequest(
-                f"{BINARY_HEADER}: expected the JSON header's length in bytes, got {json_length[:32]!r}"))
+            return _Refused(
+                body,
+                parser,
+                BadRequest(f"{BINARY_HEADER}: expected the JSON header's length in bytes, got {json_length[:32]!r}"),
+            )
         return OIPv2(body, parser, n, model)
     is_v2 = body is not None and _has(body, "inputs")
     return OIPv2(body, parser, None, model) if is_v2 else KServeV1(body, parser)
@@ -457,7 +500,7 @@ def model_metadata(config) -> dict:
     alone; ``f.lengths`` + ``f.values`` (multi-hot) are accepted in its place (_columns)."""
     return {
         "inputs": [{"name": "dense", "datatype": "FP32", "shape": [-1, config.num_dense_features]}]
-                  + [{"name": f, "datatype": "INT64", "shape": [-1]} for f in config.sparse_features],
+        + [{"name": f, "datatype": "INT64", "shape": [-1]} for f in config.sparse_features],
         "outputs": [{"name": OUTPUT, "datatype": "FP32", "shape": [-1, 1]}],
         "max_batch_size": config.requests.max_instances_per_request,
     }

@@ -94,8 +94,14 @@ class _NoHostZeroFill(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.zeros and kwargs.get("dtype") == torch.uint8 and args and isinstance(args[0], int) \
-                and args[0] >= _LAZY_MIN_BYTES and torch.device(kwargs.get("device") or "cpu").type == "cpu":
+        if (
+            func is torch.zeros
+            and kwargs.get("dtype") == torch.uint8
+            and args
+            and isinstance(args[0], int)
+            and args[0] >= _LAZY_MIN_BYTES
+            and torch.device(kwargs.get("device") or "cpu").type == "cpu"
+        ):
             try:
                 return torch.empty(*args, **kwargs)
             except RuntimeError:  # more than the commit limit allows (tables larger than memory)
@@ -117,8 +123,14 @@ def quant_ebc(tables: Sequence[EmbeddingBagConfig], device: torch.device, lazy: 
     ``lazy``: leave the CPU weight buffer untouched; ``adopt_tables`` or ``copy_tables`` must
     fill it."""
     with _NoHostZeroFill() if lazy else contextlib.nullcontext():
-        return QuantEBC(list(tables), is_weighted=False, device=torch.device(device), register_tbes=True,
-                        quant_state_dict_split_scale_bias=True, cache_features_order=True)
+        return QuantEBC(
+            list(tables),
+            is_weighted=False,
+            device=torch.device(device),
+            register_tbes=True,
+            quant_state_dict_split_scale_bias=True,
+            cache_features_order=True,
+        )
 
 
 def fused_tables(qebc: QuantEBC) -> dict[str, torch.Tensor]:
@@ -181,8 +193,13 @@ def adopt_tables(qebc: QuantEBC, state: Mapping[str, torch.Tensor]) -> bool:
         storage = None
         for cfg, (want, _, _) in zip(tables, tbe.split_embedding_weights_with_scale_bias(split_scale_bias_mode=0)):
             got = state.get(f"{TABLES}{cfg.name}.weight")
-            if got is None or got.dtype != want.dtype or got.shape != want.shape or got.stride() != want.stride() \
-                    or got.storage_offset() != want.storage_offset():
+            if (
+                got is None
+                or got.dtype != want.dtype
+                or got.shape != want.shape
+                or got.stride() != want.stride()
+                or got.storage_offset() != want.storage_offset()
+            ):
                 return False
             if storage is None:
                 storage = got.untyped_storage()
@@ -247,19 +264,29 @@ def shard(model: torch.nn.Module, devices: Sequence[torch.device]) -> tuple[torc
     split = _has_qparams(qebc)
     tables = split_tables(qebc) if split else fused_tables(qebc)
     sharder = QuantEmbeddingBagCollectionSharder(
-        fused_params={**DEFAULT_FUSED_PARAMS, FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS: split})
+        fused_params={**DEFAULT_FUSED_PARAMS, FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS: split}
+    )
     constraints = {
-        t.name: ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value],
-                                     compute_kernels=[EmbeddingComputeKernel.QUANT.value])
+        t.name: ParameterConstraints(
+            sharding_types=[ShardingType.TABLE_WISE.value], compute_kernels=[EmbeddingComputeKernel.QUANT.value]
+        )
         for t in qebc.embedding_bag_configs()
     }
-    sharded, plan = shard_quant_model(model, world_size=len(devices), compute_device=kind,
-                                       sharding_device=kind, sharders=[sharder], constraints=constraints)
+    sharded, plan = shard_quant_model(
+        model,
+        world_size=len(devices),
+        compute_device=kind,
+        sharding_device=kind,
+        sharders=[sharder],
+        constraints=constraints,
+    )
     result = sharded.load_state_dict(tables, strict=False)
     missing = [k for k in result.missing_keys if k.startswith(EBC) and ".tbes." not in k]
     if result.unexpected_keys or missing:
-        raise InternalError(f"the sharded tables did not take the weights: missing {missing[:3]}, "
-                           f"unexpected {result.unexpected_keys[:3]}")
+        raise InternalError(
+            f"the sharded tables did not take the weights: missing {missing[:3]}, "
+            f"unexpected {result.unexpected_keys[:3]}"
+        )
     return sharded, plan
 
 
@@ -274,8 +301,9 @@ def sharded_placement(model: torch.nn.Module) -> dict[str, torch.device]:
     return out
 
 
-def worker_devices(gpu_id: Any, model_yaml: Mapping[str, Any] | None, cuda_count: int,
-                   env: Mapping[str, str] = os.environ) -> list[torch.device]:
+def worker_devices(
+    gpu_id: Any, model_yaml: Mapping[str, Any] | None, cuda_count: int, env: Mapping[str, str] = os.environ
+) -> list[torch.device]:
     """The devices TorchServe gave this worker, first = where the dense part and batches go.
 
     * no CUDA, or TorchServe assigned no GPU: ``[cpu]``;

@@ -84,6 +84,7 @@ def _row_bytes(config: DLRMConfig) -> int:
 
 # --- where fp32 rows come from -----------------------------------------------------------------
 
+
 class RandomSource:
     """Seeded random weights for ``config``, drawn without the fp32 model: each table from its
     own generator (seed, table index) in U(-1, 1), row-major, so ``rows(t, start, n)`` called
@@ -128,20 +129,20 @@ class RandomSource:
         c = self.config
         dense, kjt = self.probe
         # the probe scored by the fp32 model over only the rows it reads (ids renumbered)
-        small = c.with_changes(num_embeddings=tuple(max(1, len(w)) for w in self._wanted.values()),
-                                    embedding_dtype="fp32")
+        small = c.with_changes(
+            num_embeddings=tuple(max(1, len(w)) for w in self._wanted.values()), embedding_dtype="fp32"
+        )
         model = DLRMFactory(small).build("cpu")
-        model.load_state_dict({k: v for k, v in self.model.state_dict().items() if not k.startswith(EBC)},
-                              strict=False)
+        model.load_state_dict({k: v for k, v in self.model.state_dict().items() if not k.startswith(EBC)}, strict=False)
         values = []
         feats = kjt.to_dict()
         with torch.no_grad():
             for name in c.sparse_features:
-                model.sparse_arch.embedding_bag_collection.embedding_bags[name].weight[: len(self._wanted[name])] = \
+                model.sparse_arch.embedding_bag_collection.embedding_bags[name].weight[: len(self._wanted[name])] = (
                     self._gathered[name]
+                )
                 values.append(torch.searchsorted(self._wanted[name], feats[name].values()))
-            small_kjt = KeyedJaggedTensor(keys=list(c.sparse_features), values=torch.cat(values),
-                                          lengths=kjt.lengths())
+            small_kjt = KeyedJaggedTensor(keys=list(c.sparse_features), values=torch.cat(values), lengths=kjt.lengths())
             logits = model.eval()(dense, small_kjt).squeeze(1)
             std, mean = logits.std().clamp_min(1e-6), logits.mean()
             last = self.model.over_arch.model[-1]
@@ -158,8 +159,13 @@ class CheckpointSource:
     whole shard; a shard stored any other way (a DCP transform such as compression) is read
     whole through DCP, said once."""
 
-    def __init__(self, path: str | Path, config: DLRMConfig, feature_order: list[str] | None = None,
-                 log: Callable[[str], None] = print):
+    def __init__(
+        self,
+        path: str | Path,
+        config: DLRMConfig,
+        feature_order: list[str] | None = None,
+        log: Callable[[str], None] = print,
+    ):
         self.config, self.log = config, log
         self.ckpt = open_checkpoint(path)
         say_ignored(self.ckpt, log)
@@ -182,12 +188,12 @@ class CheckpointSource:
         key = self.keys[f"{TABLES}{name}.weight"]
         if not self._dcp:
             # a state_dict file is memory-mapped: a slice reads only its pages
-            return cast(torch.Tensor, self.ckpt.sources[key])[start:start + n].to(torch.float32)
+            return cast(torch.Tensor, self.ckpt.sources[key])[start : start + n].to(torch.float32)
         out = torch.empty(n, self.config.embedding_dim, dtype=torch.float32)
         for row0, rows, read in self._dcp_shards(cast(str, self.ckpt.sources[key])):
             lo, hi = max(start, row0), min(start + n, row0 + rows)
             if lo < hi:
-                read(lo - row0, out[lo - start:hi - start])
+                read(lo - row0, out[lo - start : hi - start])
         return out
 
     def _dcp_shards(self, fqn: str) -> list:
@@ -198,12 +204,13 @@ class CheckpointSource:
             if index.fqn != fqn:
                 continue
             if index.offset is None or any(index.offset[1:]):
-                raise ConfigError(f"checkpoint: table {fqn!r} is sharded column-wise; only row-wise or whole "
-                                  "tables stream (build it with scripts/build_mar.py --checkpoint)")
+                raise ConfigError(
+                    f"checkpoint: table {fqn!r} is sharded column-wise; only row-wise or whole "
+                    "tables stream (build it with scripts/build_mar.py --checkpoint)"
+                )
             path = self.ckpt.path / info.relative_path
             stored = None if info.transform_descriptors else _stored_rows(path, info.offset, info.length)
-            chunk = next(c for c in self._tensor_meta(fqn).chunks
-                         if tuple(c.offsets) == tuple(index.offset))
+            chunk = next(c for c in self._tensor_meta(fqn).chunks if tuple(c.offsets) == tuple(index.offset))
             rows = int(chunk.sizes[0])
             if stored is None:
                 shards.append((int(index.offset[0]), rows, self._whole_shard(fqn, index, rows)))
@@ -223,7 +230,8 @@ class CheckpointSource:
                 full = torch.empty(self._tensor_meta(fqn).size, dtype=torch.float32)
                 dcp.load({fqn: full}, storage_reader=dcp.FileSystemReader(str(self.ckpt.path)), no_dist=True)
                 self._whole = {fqn: full}
-            dst.copy_(self._whole[fqn][int(index.offset[0]) + first:][: dst.shape[0]])
+            dst.copy_(self._whole[fqn][int(index.offset[0]) + first :][: dst.shape[0]])
+
         return read
 
 
@@ -260,6 +268,7 @@ def _pread_rows(path: Path, first_byte: int, row_bytes: int):
             got = os.preadv(f.fileno(), [view], first_byte + first * row_bytes)
         if got != len(view):
             raise ConfigError(f"{path}: short read ({got} of {len(view)} bytes): the checkpoint is truncated")
+
     return read
 
 
@@ -323,10 +332,14 @@ def _tensor_in_pickle(data: bytes):
 
 # --- the writer ------------------------------------------------------------------------------
 
+
 def file_bytes(config: DLRMConfig) -> int:
     """About what the weights file takes on disk: the tables' buffer plus the dense layers."""
-    dense = sum(p.numel() * 4 for k, p in DLRMFactory(config).build("cpu", tables_on_meta=True).state_dict().items()
-                if not k.startswith(EBC))
+    dense = sum(
+        p.numel() * 4
+        for k, p in DLRMFactory(config).build("cpu", tables_on_meta=True).state_dict().items()
+        if not k.startswith(EBC)
+    )
     return layout(config)[1] + dense + (1 << 20)
 
 
@@ -335,8 +348,10 @@ def check_disk(path: str | Path, need: int, reserve: int = _RESERVE) -> int:
     for everyone else; returns the free bytes."""
     free = shutil.disk_usage(Path(path).parent).free
     if free < need + reserve:
-        raise ConfigError(f"{path}: needs {need / 2**30:.1f} GiB of disk (+ {reserve / 2**30:.0f} GiB kept free), "
-                          f"{free / 2**30:.1f} GiB free there; free some or pick another --big-dir")
+        raise ConfigError(
+            f"{path}: needs {need / 2**30:.1f} GiB of disk (+ {reserve / 2**30:.0f} GiB kept free), "
+            f"{free / 2**30:.1f} GiB free there; free some or pick another --big-dir"
+        )
     return free
 
 
@@ -352,8 +367,14 @@ def rss() -> dict[str, int]:
     return out
 
 
-def write_weights(path: str | Path, config: DLRMConfig, source, chunk_bytes: int = CHUNK_BYTES,
-                  log: Callable[[str], None] = print, every_s: float = 10.0) -> dict:
+def write_weights(
+    path: str | Path,
+    config: DLRMConfig,
+    source,
+    chunk_bytes: int = CHUNK_BYTES,
+    log: Callable[[str], None] = print,
+    every_s: float = 10.0,
+) -> dict:
     """Write the weights file ``DLRMFactory(config).load`` reads, table by table from
     ``source`` (``RandomSource`` or ``CheckpointSource``), in ``config.build.embedding_dtype``,
     never holding more than ``chunk_bytes`` of fp32 rows. Returns what it measured."""
@@ -361,14 +382,17 @@ def write_weights(path: str | Path, config: DLRMConfig, source, chunk_bytes: int
     slots, host = layout(config)
     dim, dtype = config.embedding_dim, config.build.embedding_dtype
     started = time.perf_counter()
-    log(f"[stream] {path}: {len(slots)} tables, {sum(s.rows for s in slots):,} rows x D={dim} -> {dtype}, "
-        f"{host / 2**30:.2f} GiB of fused rows; from {source.describe()}")
+    log(
+        f"[stream] {path}: {len(slots)} tables, {sum(s.rows for s in slots):,} rows x D={dim} -> {dtype}, "
+        f"{host / 2**30:.2f} GiB of fused rows; from {source.describe()}"
+    )
     tmp = path.with_name(path.name + ".partial")
     tmp.unlink(missing_ok=True)
     with FakeTensorMode():
         buf = torch.empty(host, dtype=torch.uint8)
-        views = {f"{TABLES}{s.name}.weight": buf.as_strided((s.rows, s.row_bytes), (s.row_bytes, 1), s.offset)
-                 for s in slots}
+        views = {
+            f"{TABLES}{s.name}.weight": buf.as_strided((s.rows, s.row_bytes), (s.row_bytes, 1), s.offset) for s in slots
+        }
     # The dense layers' shapes first (their values come from the source after the tables).
     skeleton = DLRMFactory(config).build("cpu", tables_on_meta=True).state_dict()
     dense_keys = [k for k in skeleton if not k.startswith(EBC)]
@@ -390,23 +414,29 @@ def write_weights(path: str | Path, config: DLRMConfig, source, chunk_bytes: int
                 n = min(chunk_rows, s.rows - start)
                 fused = fused_rows({s.name: source.rows(t, start, n)}, dtype)[s.name]
                 if fused.shape != (n, s.row_bytes):
-                    raise InternalError(f"table {s.name}: quantized rows {tuple(fused.shape)}, layout {n} x {s.row_bytes}")
+                    raise InternalError(
+                        f"table {s.name}: quantized rows {tuple(fused.shape)}, layout {n} x {s.row_bytes}"
+                    )
                 _pwrite(fd, fused, base + s.offset + start * s.row_bytes)
                 done_rows += n
                 now = time.perf_counter()
                 if now - last >= every_s:
                     last, el = now, now - started
                     m = rss()
-                    log(f"[stream]   {done_rows:,}/{total_rows:,} rows ({100 * done_rows / total_rows:.1f}%), "
+                    log(
+                        f"[stream]   {done_rows:,}/{total_rows:,} rows ({100 * done_rows / total_rows:.1f}%), "
                         f"{el:.0f} s, ETA {el * (total_rows - done_rows) / max(done_rows, 1):.0f} s, "
-                        f"RSS anon {m.get('RssAnon', 0) / 2**20:.0f} MiB")
+                        f"RSS anon {m.get('RssAnon', 0) / 2**20:.0f} MiB"
+                    )
             if s.rows >= chunk_rows:
                 log(f"[stream] table {s.name}: {s.rows:,} rows in {time.perf_counter() - t0:.1f} s")
         dense = source.dense()
         for k in dense_keys:
             v = dense[k]
             if v.shape != skeleton[k].shape or v.dtype != torch.float32:
-                raise ConfigError(f"checkpoint: layer {k!r} has shape {list(v.shape)}, expected {list(skeleton[k].shape)}")
+                raise ConfigError(
+                    f"checkpoint: layer {k!r} has shape {list(v.shape)}, expected {list(skeleton[k].shape)}"
+                )
             _pwrite(fd, v.contiguous(), dense_at[k])
         os.fsync(fd)
     finally:
@@ -414,13 +444,23 @@ def write_weights(path: str | Path, config: DLRMConfig, source, chunk_bytes: int
     os.replace(tmp, path)
     m = rss()
     took = time.perf_counter() - started
-    result = {"path": str(path), "dtype": dtype, "rows": total_rows, "table_bytes": host,
-              "file_bytes": path.stat().st_size, "seconds": round(took, 1),
-              "peak_rss_bytes": m.get("VmHWM"), "rss_anon_bytes": m.get("RssAnon"),
-              "peak_rss_self_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-              "chunk_rows": chunk_rows, "source": source.describe()}
-    log(f"[stream] wrote {path} ({result['file_bytes'] / 2**30:.2f} GiB) in {took:.1f} s, "
-        f"peak RSS {result['peak_rss_bytes'] / 2**20:.0f} MiB")
+    result = {
+        "path": str(path),
+        "dtype": dtype,
+        "rows": total_rows,
+        "table_bytes": host,
+        "file_bytes": path.stat().st_size,
+        "seconds": round(took, 1),
+        "peak_rss_bytes": m.get("VmHWM"),
+        "rss_anon_bytes": m.get("RssAnon"),
+        "peak_rss_self_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        "chunk_rows": chunk_rows,
+        "source": source.describe(),
+    }
+    log(
+        f"[stream] wrote {path} ({result['file_bytes'] / 2**30:.2f} GiB) in {took:.1f} s, "
+        f"peak RSS {result['peak_rss_bytes'] / 2**20:.0f} MiB"
+    )
     return result
 
 

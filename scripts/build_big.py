@@ -41,8 +41,10 @@ def derived_config(src: Path, out: Path, rows, dtype: str) -> None:
     doc = yaml.safe_load(src.read_text())
     doc["handler"]["num_embeddings"] = list(rows)
     doc["handler"]["embedding_dtype"] = dtype
-    out.write_text(f"# Written by scripts/build_big.py from {src.name}: {sum(rows):,} rows, {dtype} tables.\n"
-                   + yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=100))
+    out.write_text(
+        f"# Written by scripts/build_big.py from {src.name}: {sum(rows):,} rows, {dtype} tables.\n"
+        + yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=100)
+    )
 
 
 def model_directory(out: Path, config_file: Path, model_name: str, version: str, log=print) -> Path:
@@ -59,10 +61,25 @@ def model_directory(out: Path, config_file: Path, model_name: str, version: str,
         metadata.write_text(json.dumps(model_metadata(config), indent=1))
         export = Path(tmp) / "out"
         export.mkdir()
-        cmd = [str(Path(sys.executable).parent / "torch-model-archiver"), "--model-name", model_name,
-               "--version", version, "--handler", str(ROOT / "dlrm_handler.py"), "--serialized-file", str(placeholder),
-               "--extra-files", ",".join([*extra_files(Path(tmp)), str(metadata)]),
-               "--config-file", str(config_file), "--export-path", str(export), "--archive-format", "no-archive"]
+        cmd = [
+            str(Path(sys.executable).parent / "torch-model-archiver"),
+            "--model-name",
+            model_name,
+            "--version",
+            version,
+            "--handler",
+            str(ROOT / "dlrm_handler.py"),
+            "--serialized-file",
+            str(placeholder),
+            "--extra-files",
+            ",".join([*extra_files(Path(tmp)), str(metadata)]),
+            "--config-file",
+            str(config_file),
+            "--export-path",
+            str(export),
+            "--archive-format",
+            "no-archive",
+        ]
         subprocess.run(cmd, check=True, env={**os.environ, "TMPDIR": tmp})
         if out.exists():
             shutil.rmtree(out)
@@ -76,16 +93,24 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "model-config.yaml"), help="model config (default: %(default)s)")
     ap.add_argument("--full", action="store_true", help="the row counts of the config's '# full: [...]' comment")
-    ap.add_argument("--dtype", choices=["fp32", "fp16", "int8", "int4"],
-                    help="embedding_dtype to build (default: the config's)")
-    ap.add_argument("--checkpoint", help="a trained fp32 DLRM (.pt state_dict or DCP directory) instead of "
-                    "seeded random weights")
+    ap.add_argument(
+        "--dtype", choices=["fp32", "fp16", "int8", "int4"], help="embedding_dtype to build (default: the config's)"
+    )
+    ap.add_argument(
+        "--checkpoint", help="a trained fp32 DLRM (.pt state_dict or DCP directory) instead of seeded random weights"
+    )
     ap.add_argument("--feature-order", metavar="F1,F2,...", help="with --checkpoint: as in build_mar.py")
-    ap.add_argument("--out", required=True, help="the model directory to write (outside any git checkout "
-                    "for big models); its name is the model name unless --model-name")
+    ap.add_argument(
+        "--out",
+        required=True,
+        help="the model directory to write (outside any git checkout "
+        "for big models); its name is the model name unless --model-name",
+    )
     ap.add_argument("--model-name", help="default: the --out directory's name")
     ap.add_argument("--version", default="1.0")
-    ap.add_argument("--chunk-mib", type=int, default=256, help="fp32 MiB of rows quantized at once (default: %(default)s)")
+    ap.add_argument(
+        "--chunk-mib", type=int, default=256, help="fp32 MiB of rows quantized at once (default: %(default)s)"
+    )
     ap.add_argument("--json", metavar="FILE", help="write the build's measurements (time, peak RSS, sizes) here")
     ap.add_argument("--force", action="store_true", help="replace an existing --out")
     args = ap.parse_args(argv)
@@ -93,6 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
     from dlrmkit.config import DLRMConfig
     from dlrmkit.errors import ConfigError
     from dlrmkit import stream
+
     out = Path(args.out).resolve()
     if out.exists() and not args.force:
         sys.exit(f"error: {out} exists; pass --force to replace it")
@@ -105,22 +131,31 @@ def main(argv: list[str] | None = None) -> dict:
             rows = full_rows(args.config, config)
             if rows is None:
                 sys.exit(f"error: --full: {args.config} has no '# full: [...]' comment")
-        config = config.with_changes(num_embeddings=tuple(rows), embedding_dtype=args.dtype or config.build.embedding_dtype)
+        config = config.with_changes(
+            num_embeddings=tuple(rows), embedding_dtype=args.dtype or config.build.embedding_dtype
+        )
         need = stream.file_bytes(config)
-        print(f"[build] {out}: {sum(rows):,} rows, {config.build.embedding_dtype}: needs {need / 2**30:.2f} GiB of disk",
-              flush=True)
+        print(
+            f"[build] {out}: {sum(rows):,} rows, {config.build.embedding_dtype}: needs {need / 2**30:.2f} GiB of disk",
+            flush=True,
+        )
         out.parent.mkdir(parents=True, exist_ok=True)
         free = stream.check_disk(out, need)
         print(f"[build] {free / 2**30:.1f} GiB free at {out.parent}", flush=True)
-        source = (stream.CheckpointSource(args.checkpoint, config, args.feature_order.split(",")
-                                               if args.feature_order else None)
-                  if args.checkpoint else stream.RandomSource(config))
+        source = (
+            stream.CheckpointSource(
+                args.checkpoint, config, args.feature_order.split(",") if args.feature_order else None
+            )
+            if args.checkpoint
+            else stream.RandomSource(config)
+        )
         with tempfile.TemporaryDirectory(prefix="dlrm-big-cfg-") as tmp:
             cfg = Path(tmp) / "model-config.yaml"
             derived_config(Path(args.config), cfg, rows, config.build.embedding_dtype)
             model_directory(out, cfg, args.model_name or out.name, args.version)
-        result = stream.write_weights(out / "dlrm.pt", config, source, chunk_bytes=args.chunk_mib << 20,
-                                           log=lambda m: print(m, flush=True))
+        result = stream.write_weights(
+            out / "dlrm.pt", config, source, chunk_bytes=args.chunk_mib << 20, log=lambda m: print(m, flush=True)
+        )
     except ConfigError as e:
         sys.exit(f"error: {e}")
     result["model_dir"] = str(out)

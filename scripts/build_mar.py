@@ -54,37 +54,71 @@ def extra_files(tmp: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=str(ROOT / "model-config.yaml"),
-                    help="model-config.yaml with a handler: section (default: %(default)s)")
-    ap.add_argument("--checkpoint", help="a trained fp32 DLRM: a .pt/.pth state_dict file or a DCP directory "
-                    "(docs/trained-models.md), quantized here when handler.embedding_dtype is fp16/int8/int4; "
-                    "default: seeded random weights from handler.seed")
-    ap.add_argument("--write-config", metavar="OUT.yaml",
-                    help="with --checkpoint: write a complete model config derived from the checkpoint's keys "
-                    "and shapes to OUT.yaml, print what was derived and assumed, and build nothing")
-    ap.add_argument("--feature-order", metavar="F1,F2,...",
-                    help="with --checkpoint: the trainer's feature order (its EmbeddingBagConfig list), which a "
-                    "DCP directory does not record and the interaction depends on; --write-config lists "
-                    "sparse_features in it, a build checks the config against it")
-    ap.add_argument("--verify", metavar="FILE.jsonl",
-                    help='after building, score every request of FILE (JSON lines {"request": {...}, "scores": '
-                    '[...], "labels": [...]}, as scripts/train.py writes verify.jsonl) with the archive loaded as '
-                    "a worker loads it; differences over --verify-tolerance fail the build and leave no archive")
-    ap.add_argument("--calibrate", metavar="FILE.jsonl",
-                    help="handler.dense_precision int8: requests like the traffic (JSON lines of /predictions "
-                    "bodies, or of {\"request\": body} lines as a --verify file has) whose dense-half inputs the archive carries for int8's static "
-                    "activation scales (at most 512 rows): a sample of the training data, as scripts/train.py writes "
-                    "calibration.jsonl, never the --verify file (the contract would be judged on the rows the "
-                    "scales were fitted to); without it int8 computes its activation scales per batch (dynamic)")
-    ap.add_argument("--verify-tolerance", type=float, default=1e-5, metavar="T",
-                    help="largest |served - trainer| score --verify accepts (default: %(default)s)")
-    ap.add_argument("--auc-ratio", type=float, default=0.999, metavar="R",
-                    help="with --verify and a dense_precision other than fp32: the accuracy contract, served AUC >= "
-                    "R x the trainer's fp32 AUC (default %(default)s, MLPerf's dlrm-v2-99.9; 0.99 is its looser class)")
-    ap.add_argument("--fit-dense-shift", nargs="+", metavar="TSV",
-                    help="with --write-config: fit handler.dense_shift on these training TSV files as torchrec's "
-                    "tsv_to_npys does (per file) and write a config serving raw Criteo lines (raw_input: criteo_tsv)")
-    ap.add_argument("--output-dir", default=str(ROOT / "model_store"), help="where the .mar goes (default: %(default)s)")
+    ap.add_argument(
+        "--config",
+        default=str(ROOT / "model-config.yaml"),
+        help="model-config.yaml with a handler: section (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--checkpoint",
+        help="a trained fp32 DLRM: a .pt/.pth state_dict file or a DCP directory "
+        "(docs/trained-models.md), quantized here when handler.embedding_dtype is fp16/int8/int4; "
+        "default: seeded random weights from handler.seed",
+    )
+    ap.add_argument(
+        "--write-config",
+        metavar="OUT.yaml",
+        help="with --checkpoint: write a complete model config derived from the checkpoint's keys "
+        "and shapes to OUT.yaml, print what was derived and assumed, and build nothing",
+    )
+    ap.add_argument(
+        "--feature-order",
+        metavar="F1,F2,...",
+        help="with --checkpoint: the trainer's feature order (its EmbeddingBagConfig list), which a "
+        "DCP directory does not record and the interaction depends on; --write-config lists "
+        "sparse_features in it, a build checks the config against it",
+    )
+    ap.add_argument(
+        "--verify",
+        metavar="FILE.jsonl",
+        help='after building, score every request of FILE (JSON lines {"request": {...}, "scores": '
+        '[...], "labels": [...]}, as scripts/train.py writes verify.jsonl) with the archive loaded as '
+        "a worker loads it; differences over --verify-tolerance fail the build and leave no archive",
+    )
+    ap.add_argument(
+        "--calibrate",
+        metavar="FILE.jsonl",
+        help="handler.dense_precision int8: requests like the traffic (JSON lines of /predictions "
+        'bodies, or of {"request": body} lines as a --verify file has) whose dense-half inputs the archive carries for int8\'s static '
+        "activation scales (at most 512 rows): a sample of the training data, as scripts/train.py writes "
+        "calibration.jsonl, never the --verify file (the contract would be judged on the rows the "
+        "scales were fitted to); without it int8 computes its activation scales per batch (dynamic)",
+    )
+    ap.add_argument(
+        "--verify-tolerance",
+        type=float,
+        default=1e-5,
+        metavar="T",
+        help="largest |served - trainer| score --verify accepts (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--auc-ratio",
+        type=float,
+        default=0.999,
+        metavar="R",
+        help="with --verify and a dense_precision other than fp32: the accuracy contract, served AUC >= "
+        "R x the trainer's fp32 AUC (default %(default)s, MLPerf's dlrm-v2-99.9; 0.99 is its looser class)",
+    )
+    ap.add_argument(
+        "--fit-dense-shift",
+        nargs="+",
+        metavar="TSV",
+        help="with --write-config: fit handler.dense_shift on these training TSV files as torchrec's "
+        "tsv_to_npys does (per file) and write a config serving raw Criteo lines (raw_input: criteo_tsv)",
+    )
+    ap.add_argument(
+        "--output-dir", default=str(ROOT / "model_store"), help="where the .mar goes (default: %(default)s)"
+    )
     ap.add_argument("--model-name", default="dlrm", help="archive and endpoint name (default: %(default)s)")
     ap.add_argument("--version", default="1.0", help="model version recorded in the archive (default: %(default)s)")
     ap.add_argument("--force", action="store_true", help="overwrite an existing archive")
@@ -112,8 +146,9 @@ def main(argv: list[str] | None = None) -> Path:
         try:
             if args.checkpoint:
                 write_config(args.checkpoint, args.write_config, feature_order=order)
-            fit_dense_shift(args.fit_dense_shift, args.write_config if args.checkpoint else args.config,
-                            args.write_config)
+            fit_dense_shift(
+                args.fit_dense_shift, args.write_config if args.checkpoint else args.config, args.write_config
+            )
         except (ConfigError, BadRequest) as e:
             sys.exit(f"error: {getattr(e, 'message', e)}")
         return Path(args.write_config)
@@ -133,16 +168,20 @@ def main(argv: list[str] | None = None) -> Path:
         sys.exit(f"error: {mar} exists; pass --force to overwrite it")
     try:
         if args.calibrate and args.verify and Path(args.calibrate).resolve() == Path(args.verify).resolve():
-            sys.exit(f"error: --calibrate {args.calibrate} is the --verify file: the contract would be judged on the "
-                     "rows the int8 scales were fitted to; calibrate on a sample of the training data "
-                     "(scripts/train.py writes calibration.jsonl); no archive written")
+            sys.exit(
+                f"error: --calibrate {args.calibrate} is the --verify file: the contract would be judged on the "
+                "rows the int8 scales were fitted to; calibrate on a sample of the training data "
+                "(scripts/train.py writes calibration.jsonl); no archive written"
+            )
         config = DLRMConfig.from_yaml(args.config)
         if args.verify and (cannot := dense.unsupported(config.build.dense_precision, dense.cpu_flags())):
             # The verify child would serve the fp32 fallback and prove nothing about the precision
             # the archive names (measured on an AVX2 host: int8 there moves a score by up to 0.45).
-            sys.exit(f"error: --verify: dense_precision {config.build.dense_precision} cannot run on this CPU "
-                     f"({cannot}), so its accuracy contract cannot be checked here: verify on a CPU of the "
-                     f"serving kind, or build without --verify (unchecked); no archive written")
+            sys.exit(
+                f"error: --verify: dense_precision {config.build.dense_precision} cannot run on this CPU "
+                f"({cannot}), so its accuracy contract cannot be checked here: verify on a CPU of the "
+                f"serving kind, or build without --verify (unchecked); no archive written"
+            )
         factory = DLRMFactory(config)
         with tempfile.TemporaryDirectory(prefix="dlrm-mar-") as tmp:
             weights = Path(tmp) / "dlrm.pt"
@@ -153,12 +192,17 @@ def main(argv: list[str] | None = None) -> Path:
                 # DCP directory read into one full-size tensor per key.
                 model = factory.load_fp32(import_checkpoint(args.checkpoint, config, feature_order=order))
             else:
-                print(f"[build] random weights, seed {config.build.seed}: {sum(config.num_embeddings):,} rows "
-                      f"x D={config.embedding_dim}", flush=True)
+                print(
+                    f"[build] random weights, seed {config.build.seed}: {sum(config.num_embeddings):,} rows "
+                    f"x D={config.embedding_dim}",
+                    flush=True,
+                )
                 model = factory.random()
             if config.build.embedding_dtype != "fp32":
-                print(f"[build] quantizing the tables to {config.build.embedding_dtype} (torchrec quantize_inference_model)",
-                      flush=True)
+                print(
+                    f"[build] quantizing the tables to {config.build.embedding_dtype} (torchrec quantize_inference_model)",
+                    flush=True,
+                )
             extra = [str(metadata := Path(tmp) / METADATA_FILE)]
             if config.build.dense_precision == "int8" and (args.calibrate or not args.checkpoint):
                 if args.calibrate:
@@ -169,14 +213,20 @@ def main(argv: list[str] | None = None) -> Path:
                     inputs, source = dense.calibration_inputs(model, probes), f"{dense.CALIBRATION_ROWS} random rows"
                 torch.save(inputs, calibration := Path(tmp) / CALIBRATION_FILE)
                 extra.append(str(calibration))
-                print(f"[build] int8 dense half: static activation scales from {source} ({CALIBRATION_FILE})",
-                      flush=True)
+                print(
+                    f"[build] int8 dense half: static activation scales from {source} ({CALIBRATION_FILE})", flush=True
+                )
             elif config.build.dense_precision == "int8":
-                print("[build] int8 dense half without --calibrate: activation scales per batch (dynamic int8)",
-                      flush=True)
+                print(
+                    "[build] int8 dense half without --calibrate: activation scales per batch (dynamic int8)",
+                    flush=True,
+                )
             if config.build.dense_precision != "fp32" and not args.verify:
-                print(f"[build] warning: dense_precision {config.build.dense_precision} without --verify: the accuracy "
-                      "contract (AUC >= 99.9% of fp32) is not checked for this archive", flush=True)
+                print(
+                    f"[build] warning: dense_precision {config.build.dense_precision} without --verify: the accuracy "
+                    "contract (AUC >= 99.9% of fp32) is not checked for this archive",
+                    flush=True,
+                )
             state = factory.archive_state(model)
             del model
             torch.save(state, weights)
@@ -185,22 +235,32 @@ def main(argv: list[str] | None = None) -> Path:
             extra.append(str(base))
             # The v2 metadata the OIP endpoint plugin serves, from the config just validated.
             metadata.write_text(json.dumps(model_metadata(config), indent=1))
-            print(f"[build] weights {weights.stat().st_size / 1e6:.1f} MB in {time.perf_counter() - started:.1f} s",
-                  flush=True)
+            print(
+                f"[build] weights {weights.stat().st_size / 1e6:.1f} MB in {time.perf_counter() - started:.1f} s",
+                flush=True,
+            )
             # Built beside the weights and moved into place only once proven: a failed --verify
             # leaves no archive, and an earlier one of the same name stays as it was.
             built = Path(tmp) / "out"
             cmd = [
                 str(Path(sys.executable).parent / "torch-model-archiver"),
-                "--model-name", args.model_name,
-                "--version", args.version,
-                "--handler", str(ROOT / "dlrm_handler.py"),
-                "--serialized-file", str(weights),
-                "--extra-files", ",".join([*extra_files(Path(tmp)), *extra]),
-                "--config-file", str(Path(args.config).resolve()),
-                "--export-path", str(built),
+                "--model-name",
+                args.model_name,
+                "--version",
+                args.version,
+                "--handler",
+                str(ROOT / "dlrm_handler.py"),
+                "--serialized-file",
+                str(weights),
+                "--extra-files",
+                ",".join([*extra_files(Path(tmp)), *extra]),
+                "--config-file",
+                str(Path(args.config).resolve()),
+                "--export-path",
+                str(built),
                 # Random floats do not compress; storing them makes building and loading faster.
-                "--archive-format", "zip-store",
+                "--archive-format",
+                "zip-store",
             ]
             if args.force:
                 cmd.append("--force")
@@ -209,27 +269,39 @@ def main(argv: list[str] | None = None) -> Path:
             built.mkdir()
             subprocess.run(cmd, check=True, env={**os.environ, "TMPDIR": tmp})
             if args.verify:
-                result = verify_archive(built / mar.name, args.verify, as_worker.command(), args.verify_tolerance,
-                                        precision=config.build.dense_precision, logits=config.requests.output == "logits",
-                                        auc_ratio=args.auc_ratio)
+                result = verify_archive(
+                    built / mar.name,
+                    args.verify,
+                    as_worker.command(),
+                    args.verify_tolerance,
+                    precision=config.build.dense_precision,
+                    logits=config.requests.output == "logits",
+                    auc_ratio=args.auc_ratio,
+                )
                 if config.build.dense_precision != "fp32":
                     # Reduced precision moves every score a little: MLPerf's AUC rule is the gate,
                     # not the per-row tolerance.
                     if result.contract is None:
-                        sys.exit(f"error: --verify: dense_precision {config.build.dense_precision} is checked by the "
-                                 f"accuracy contract (served AUC >= 99.9% of fp32), which needs labels on every "
-                                 f"line of {args.verify} (scripts/train.py writes them); no archive written")
+                        sys.exit(
+                            f"error: --verify: dense_precision {config.build.dense_precision} is checked by the "
+                            f"accuracy contract (served AUC >= 99.9% of fp32), which needs labels on every "
+                            f"line of {args.verify} (scripts/train.py writes them); no archive written"
+                        )
                     if not result.contract["holds"]:
                         c = result.contract
-                        sys.exit(f"error: --verify: dense_precision {config.build.dense_precision} breaks the accuracy "
-                                 f"contract: AUC {c['auc']:.6f} is {c['auc_ratio']:.5f} of fp32's {c['auc_fp32']:.6f} "
-                                 f"(needs >= {args.auc_ratio:g}); serve a higher precision; no archive written")
+                        sys.exit(
+                            f"error: --verify: dense_precision {config.build.dense_precision} breaks the accuracy "
+                            f"contract: AUC {c['auc']:.6f} is {c['auc_ratio']:.5f} of fp32's {c['auc_fp32']:.6f} "
+                            f"(needs >= {args.auc_ratio:g}); serve a higher precision; no archive written"
+                        )
                 elif result.over:
-                    sys.exit(f"error: --verify: {result.over} of {result.rows} rows differ from the trainer's "
-                             f"scores by more than {args.verify_tolerance:g} (worst {result.max_delta:.3g}, "
-                             f"{result.worst}); no archive written. The usual causes: handler.sparse_features "
-                             f"not in the trainer's order (--feature-order), pooling, output, or requests whose "
-                             f"dense features are not preprocessed as in training (docs/trained-models.md)")
+                    sys.exit(
+                        f"error: --verify: {result.over} of {result.rows} rows differ from the trainer's "
+                        f"scores by more than {args.verify_tolerance:g} (worst {result.max_delta:.3g}, "
+                        f"{result.worst}); no archive written. The usual causes: handler.sparse_features "
+                        f"not in the trainer's order (--feature-order), pooling, output, or requests whose "
+                        f"dense features are not preprocessed as in training (docs/trained-models.md)"
+                    )
             out_dir.mkdir(parents=True, exist_ok=True)
             shutil.move(built / mar.name, mar)
     except ConfigError as e:
@@ -252,16 +324,20 @@ def fit_dense_shift(files: list[str], config: str, out: str) -> float:
     for path in files:
         print(f"[fit] {path}", flush=True)
         shifts[path], lines = criteo.fit_dense_shift(
-            path, progress=lambda n: print(f"[fit]   {n:,} lines", flush=True) if n >= 1_000_000 else None)
+            path, progress=lambda n: print(f"[fit]   {n:,} lines", flush=True) if n >= 1_000_000 else None
+        )
         print(f"[fit] {path}: {lines:,} lines, min dense {2 - shifts[path]}, dense_shift {shifts[path]}", flush=True)
     # tsv_to_npys shifts each file by its own minimum: a model trained on files that disagree saw
     # differently shifted days. The shift most files got is written; the others are named.
     shift = Counter(shifts.values()).most_common(1)[0][0]
     if len(set(shifts.values())) > 1:
         others = ", ".join(f"{p}: {s}" for p, s in shifts.items() if s != shift)
-        print(f"[fit] warning: the files' shifts disagree (tsv_to_npys shifted each by its own minimum); writing "
-              f"dense_shift {shift}, which {sum(s == shift for s in shifts.values())} of {len(shifts)} files got "
-              f"(the others: {others})", flush=True)
+        print(
+            f"[fit] warning: the files' shifts disagree (tsv_to_npys shifted each by its own minimum); writing "
+            f"dense_shift {shift}, which {sum(s == shift for s in shifts.values())} of {len(shifts)} files got "
+            f"(the others: {others})",
+            flush=True,
+        )
     text = Path(config).read_text()
     # Ids fold into their tables as torchrec's InMemoryBinaryCriteoIterDataPipe(hashes=...) does,
     # unless the config says otherwise.
@@ -274,11 +350,13 @@ def fit_dense_shift(files: list[str], config: str, out: str) -> float:
             m = re.search(r"^handler:[^\n]*\n(\s+)", text, re.M)
             if not m:
                 raise ConfigError(f"{config}: no handler: section to write dense_shift into")
-            text = text[: m.end()] + f"{key}: {value}\n{m.group(1)}" + text[m.end():]
+            text = text[: m.end()] + f"{key}: {value}\n{m.group(1)}" + text[m.end() :]
     Path(out).write_text(text)
     written = DLRMConfig.from_yaml(out)
-    print(f"[fit] wrote raw_input: criteo_tsv, dense_shift: {shift} to {out} (id_overflow: {written.requests.id_overflow})",
-          flush=True)
+    print(
+        f"[fit] wrote raw_input: criteo_tsv, dense_shift: {shift} to {out} (id_overflow: {written.requests.id_overflow})",
+        flush=True,
+    )
     return shift
 
 

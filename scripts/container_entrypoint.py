@@ -56,8 +56,11 @@ def main(argv: list[str]) -> int:
     else:
         launcher.send_signal(signal.SIGTERM)
     code = launcher.wait()
-    print(f"[entrypoint] TorchServe stopped in {time.monotonic() - started:.1f} s (launcher exit {code})",
-          file=sys.stderr, flush=True)
+    print(
+        f"[entrypoint] TorchServe stopped in {time.monotonic() - started:.1f} s (launcher exit {code})",
+        file=sys.stderr,
+        flush=True,
+    )
     return 0 if code in (0, -signal.SIGTERM, 128 + signal.SIGTERM) else code
 
 

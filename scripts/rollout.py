@@ -49,8 +49,9 @@ class Rollout:
     # --- management API ---------------------------------------------------------------------
 
     def call(self, method: str, path: str, timeout: float = 30.0) -> tuple[int, object]:
-        status, body, _ = request(method, f"{self.srv.management_url}{path}",
-                                  headers=self.srv.auth("management"), timeout=timeout)
+        status, body, _ = request(
+            method, f"{self.srv.management_url}{path}", headers=self.srv.auth("management"), timeout=timeout
+        )
         try:
             answer = json.loads(body)
         except ValueError:
@@ -68,8 +69,10 @@ class Rollout:
     def default(self) -> dict:
         status, answer = self.call("GET", f"/models/{self.model}")
         if status != 200:
-            raise RolloutError(f"no model {self.model!r} is serving (GET /models/{self.model}: HTTP {status} "
-                               f"{_message(answer)}); start it first (make serve)")
+            raise RolloutError(
+                f"no model {self.model!r} is serving (GET /models/{self.model}: HTTP {status} "
+                f"{_message(answer)}); start it first (make serve)"
+            )
         return answer[0]
 
     # --- steps ------------------------------------------------------------------------------
@@ -84,9 +87,11 @@ class Rollout:
         # failed to retire it. Verify and promote it as it is; only discard what we registered.
         registered = [v for v in self.versions() if v["modelVersion"] == version]
         if registered and registered[0]["modelUrl"] != archive:
-            raise RolloutError(f"{self.model} {version} is already registered from {registered[0]['modelUrl']}, "
-                               f"not {archive}; unregister it first: "
-                               f"curl -X DELETE {self.srv.management_url}/models/{self.model}/{version}")
+            raise RolloutError(
+                f"{self.model} {version} is already registered from {registered[0]['modelUrl']}, "
+                f"not {archive}; unregister it first: "
+                f"curl -X DELETE {self.srv.management_url}/models/{self.model}/{version}"
+            )
         ours = not registered
         if registered:
             say(f"{version} is registered already (not as default): verifying it")
@@ -104,7 +109,9 @@ class Rollout:
                 self.wait_workers(version, since)
             except RolloutError as e:
                 self.discard(version)
-                raise RolloutError(f"register {archive}: {e}. {self.model} {old['modelVersion']} is still serving") from None
+                raise RolloutError(
+                    f"register {archive}: {e}. {self.model} {old['modelVersion']} is still serving"
+                ) from None
 
         say(f"verify {version}: workers up and a probe scored through /predictions/{self.model}/{version}")
         try:
@@ -119,8 +126,10 @@ class Rollout:
         if status != 200:
             if ours:
                 self.discard(version)
-            raise RolloutError(f"promote {version}: HTTP {status} {_message(answer)}. "
-                               f"{self.model} {old['modelVersion']} is still serving")
+            raise RolloutError(
+                f"promote {version}: HTTP {status} {_message(answer)}. "
+                f"{self.model} {old['modelVersion']} is still serving"
+            )
         self.save(previous=old, current={"modelVersion": version, "modelUrl": archive})
 
         say(f"retire {old['modelVersion']}: drain its queue, then unregister it")
@@ -177,24 +186,35 @@ class Rollout:
         time.sleep(self.drain)
         status, answer = self.call("DELETE", f"/models/{self.model}/{version}", timeout=self.timeout)
         if status != 200:
-            raise RolloutError(f"retire {version}: HTTP {status} {_message(answer)}. The new version is the "
-                               f"default and serving; unregister {version} by hand: curl -X DELETE "
-                               f"{self.srv.management_url}/models/{self.model}/{version}")
+            raise RolloutError(
+                f"retire {version}: HTTP {status} {_message(answer)}. The new version is the "
+                f"default and serving; unregister {version} by hand: curl -X DELETE "
+                f"{self.srv.management_url}/models/{self.model}/{version}"
+            )
 
     def discard(self, version: str) -> None:
         """Unregister a new version that failed a step (if TorchServe kept it registered)."""
         if any(v["modelVersion"] == version for v in self.versions()):
             status, answer = self.call("DELETE", f"/models/{self.model}/{version}", timeout=self.timeout)
-            say(f"unregistered the failed {version}" if status == 200
-                else f"could not unregister the failed {version}: HTTP {status} {_message(answer)}")
+            say(
+                f"unregistered the failed {version}"
+                if status == 200
+                else f"could not unregister the failed {version}: HTTP {status} {_message(answer)}"
+            )
 
     def save(self, previous: dict, current: dict) -> None:
         keep = ("modelVersion", "modelUrl")
-        self.state_file.write_text(json.dumps({
-            "model": self.model,
-            "previous": {k: previous[k] for k in keep},
-            "current": {k: current[k] for k in keep},
-        }, indent=2) + "\n")
+        self.state_file.write_text(
+            json.dumps(
+                {
+                    "model": self.model,
+                    "previous": {k: previous[k] for k in keep},
+                    "current": {k: current[k] for k in keep},
+                },
+                indent=2,
+            )
+            + "\n"
+        )
 
     def previous(self) -> tuple[str, str]:
         try:
@@ -236,8 +256,18 @@ def build(args, store: Path, version: str) -> str:
     # build_mar names the file after the model; build beside the store, then rename into it,
     # so the store never holds a half-written archive.
     with tempfile.TemporaryDirectory(dir=store, prefix=".build-") as tmp:
-        cmd = [sys.executable, str(ROOT / "scripts" / "build_mar.py"), "--config", args.config,
-               "--model-name", args.model, "--version", version, "--output-dir", tmp]
+        cmd = [
+            sys.executable,
+            str(ROOT / "scripts" / "build_mar.py"),
+            "--config",
+            args.config,
+            "--model-name",
+            args.model,
+            "--version",
+            version,
+            "--output-dir",
+            tmp,
+        ]
         if args.checkpoint:
             cmd += ["--checkpoint", args.checkpoint]
         if args.verify:
@@ -255,25 +285,49 @@ def build(args, store: Path, version: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--home", default=str(ROOT / ".serve"),
-                    help="folder the running server was started from (default: %(default)s)")
+    ap.add_argument(
+        "--home", default=str(ROOT / ".serve"), help="folder the running server was started from (default: %(default)s)"
+    )
     ap.add_argument("--model", default="dlrm", help="model name (default: %(default)s)")
-    ap.add_argument("--config", default=str(ROOT / "model-config.yaml"), help="model config to build (default: %(default)s)")
-    ap.add_argument("--checkpoint", help="trained checkpoint to build with: .pt/.pth or a DCP directory "
-                    "(default: seeded random weights)")
-    ap.add_argument("--verify", metavar="FILE.jsonl", help="prove the built archive against the trainer's scores "
-                    "before anything is registered (build_mar.py --verify)")
-    ap.add_argument("--calibrate", metavar="FILE.jsonl", help="handler.dense_precision int8: requests like the "
-                    "training data for static activation scales (build_mar.py --calibrate)")
+    ap.add_argument(
+        "--config", default=str(ROOT / "model-config.yaml"), help="model config to build (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--checkpoint",
+        help="trained checkpoint to build with: .pt/.pth or a DCP directory (default: seeded random weights)",
+    )
+    ap.add_argument(
+        "--verify",
+        metavar="FILE.jsonl",
+        help="prove the built archive against the trainer's scores "
+        "before anything is registered (build_mar.py --verify)",
+    )
+    ap.add_argument(
+        "--calibrate",
+        metavar="FILE.jsonl",
+        help="handler.dense_precision int8: requests like the "
+        "training data for static activation scales (build_mar.py --calibrate)",
+    )
     ap.add_argument("--version", help="version to build (default: the serving version's major + 1, e.g. 1.0 -> 2.0)")
     ap.add_argument("--archive", help="roll out this archive (a .mar in the model store) instead of building one")
     ap.add_argument("--rollback", action="store_true", help="return to the version before the last rollout")
-    ap.add_argument("--sample", default=str(ROOT / "sample_requests" / "seed_single.json"),
-                    help="probe request the new version must score (default: %(default)s)")
-    ap.add_argument("--timeout", type=float, default=600,
-                    help="seconds for each slow step: workers starting, verify, drain (default: %(default)s)")
-    ap.add_argument("--drain", type=float, default=1.0,
-                    help="seconds the retired version gets to finish its last batch (default: %(default)s)")
+    ap.add_argument(
+        "--sample",
+        default=str(ROOT / "sample_requests" / "seed_single.json"),
+        help="probe request the new version must score (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=600,
+        help="seconds for each slow step: workers starting, verify, drain (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--drain",
+        type=float,
+        default=1.0,
+        help="seconds the retired version gets to finish its last batch (default: %(default)s)",
+    )
     args = ap.parse_args(argv)
     if sum(map(bool, (args.archive, args.rollback, args.version or args.checkpoint))) > 1:
         ap.error("choose one of --archive, --rollback, or a build (--version/--checkpoint)")

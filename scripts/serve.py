@@ -21,8 +21,12 @@ from scripts.tsctl import ROOT, Server  # noqa: E402
 
 
 def server(args) -> Server:
-    return Server(home=ROOT / ".serve", properties=Path(args.properties), model_store=Path(args.model_store),
-                  log_dir=ROOT / "logs")
+    return Server(
+        home=ROOT / ".serve",
+        properties=Path(args.properties),
+        model_store=Path(args.model_store),
+        log_dir=ROOT / "logs",
+    )
 
 
 def start(args) -> int:
@@ -39,8 +43,9 @@ def start(args) -> int:
     sample = Path(args.sample).read_bytes()
     shown = os.path.relpath(args.sample)
     try:
-        answer = srv.wait_ready(args.model, sample, timeout=args.timeout,
-                                progress=lambda msg: print(f"[serve] {msg}", flush=True))
+        answer = srv.wait_ready(
+            args.model, sample, timeout=args.timeout, progress=lambda msg: print(f"[serve] {msg}", flush=True)
+        )
     except (RuntimeError, TimeoutError) as e:
         print(f"[serve] error: {e}", file=sys.stderr)
         return 1
@@ -48,11 +53,15 @@ def start(args) -> int:
     # The readiness probe was this very request: show its answer rather than send it again.
     print(f"[serve] POST {url} < {shown}\n[serve] HTTP 200: {json.dumps(answer, separators=(',', ':'))}")
     if srv.token():
-        print(f"[serve] token authorization is on: send 'Authorization: Bearer <inference key>' "
-              f"from {srv.home / 'key_file.json'}")
+        print(
+            f"[serve] token authorization is on: send 'Authorization: Bearer <inference key>' "
+            f"from {srv.home / 'key_file.json'}"
+        )
     print(f"[serve] Open Inference Protocol: {srv.url}/v2/models/{args.model} (metadata), .../ready, .../infer")
-    print(f"[serve] ready. Try: curl -X POST {url} -H \"Content-Type: application/json\" "
-          f"-d @{shown}\n[serve] stop with: make stop")
+    print(
+        f'[serve] ready. Try: curl -X POST {url} -H "Content-Type: application/json" '
+        f"-d @{shown}\n[serve] stop with: make stop"
+    )
     return 0
 
 
@@ -87,31 +96,59 @@ def probe_from_config(config: str, home: Path) -> Path:
     c = DLRMConfig.from_yaml(config)
     path = home / "probe.json"
     home.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"dense": [0.0] * c.num_dense_features, "sparse": {
-        "keys": list(c.sparse_features), "values": [0] * c.num_features, "lengths": [1] * c.num_features}}))
+    path.write_text(
+        json.dumps(
+            {
+                "dense": [0.0] * c.num_dense_features,
+                "sparse": {
+                    "keys": list(c.sparse_features),
+                    "values": [0] * c.num_features,
+                    "lengths": [1] * c.num_features,
+                },
+            }
+        )
+    )
     return path
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("action", choices=["start", "ready", "stop"])
-    ap.add_argument("--properties", default=str(ROOT / "config.properties"),
-                    help="TorchServe config.properties (default: %(default)s)")
-    ap.add_argument("--model-store", default=str(ROOT / "model_store"), help="folder of .mar files (default: %(default)s)")
+    ap.add_argument(
+        "--properties",
+        default=str(ROOT / "config.properties"),
+        help="TorchServe config.properties (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--model-store", default=str(ROOT / "model_store"), help="folder of .mar files (default: %(default)s)"
+    )
     ap.add_argument("--model", default="dlrm", help="model name to probe (default: %(default)s)")
-    ap.add_argument("--sample", help="request sent once the server is up (default: one built from --config, "
-                    "else sample_requests/seed_single.json)")
-    ap.add_argument("--config", help="model config to build the probe request from when no --sample is given "
-                    "(make serve CONFIG=... CHECKPOINT=...)")
+    ap.add_argument(
+        "--sample",
+        help="request sent once the server is up (default: one built from --config, "
+        "else sample_requests/seed_single.json)",
+    )
+    ap.add_argument(
+        "--config",
+        help="model config to build the probe request from when no --sample is given "
+        "(make serve CONFIG=... CHECKPOINT=...)",
+    )
     ap.add_argument("--timeout", type=float, default=300, help="seconds to wait for the model (default: %(default)s)")
-    ap.add_argument("--home", default=str(ROOT / ".serve"),
-                    help="ready: the folder the server was started from (default: %(default)s)")
-    ap.add_argument("--probe-timeout", type=float, default=10,
-                    help="ready: seconds to wait for the answer (default: %(default)s)")
+    ap.add_argument(
+        "--home",
+        default=str(ROOT / ".serve"),
+        help="ready: the folder the server was started from (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--probe-timeout", type=float, default=10, help="ready: seconds to wait for the answer (default: %(default)s)"
+    )
     args = ap.parse_args(argv)
     if args.sample is None:
-        args.sample = str(probe_from_config(args.config, Path(args.home)) if args.config
-                          else ROOT / "sample_requests" / "seed_single.json")
+        args.sample = str(
+            probe_from_config(args.config, Path(args.home))
+            if args.config
+            else ROOT / "sample_requests" / "seed_single.json"
+        )
     return {"start": start, "ready": ready, "stop": stop}[args.action](args)
 
 

@@ -52,8 +52,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -79,7 +93,7 @@ def zipf_mass(k: float, s: float, exact: int = 2000) -> float:
     below 1e-9 of the sum for the table sizes here)."""
     k = float(k)
     head = min(int(k), exact)
-    total = math.fsum(i ** -s for i in range(1, head + 1))
+    total = math.fsum(i**-s for i in range(1, head + 1))
     if k > head:
         a, b = head + 0.5, k + 0.5
         total += math.log(b / a) if s == 1 else (b ** (1 - s) - a ** (1 - s)) / (1 - s)
@@ -114,18 +128,34 @@ def working_set(rows: int, row_bytes: int, s: float, hit_rate: float, page: int 
     return min(table, int(math.ceil(touched)) * page)
 
 
-def report(config, budget: int, worker: int, base_s: float, disk_mbps: float, cpus: int | None = None,
-           hit_rate: float = 0.9, zipf: float = 1.05) -> dict:
+def report(
+    config,
+    budget: int,
+    worker: int,
+    base_s: float,
+    disk_mbps: float,
+    cpus: int | None = None,
+    hit_rate: float = 0.9,
+    zipf: float = 1.05,
+) -> dict:
     from dlrmkit.config import EMBEDDING_DTYPES
     from dlrmkit.scale import table_bytes
 
     c = config
     dense = 4 * _dense_params(c)
-    out = {"budget_bytes": budget, "worker_overhead_bytes": worker, "dense_bytes": dense,
-           "hit_rate": hit_rate, "zipf": zipf, "tables": [], "dtypes": {}}
+    out = {
+        "budget_bytes": budget,
+        "worker_overhead_bytes": worker,
+        "dense_bytes": dense,
+        "hit_rate": hit_rate,
+        "zipf": zipf,
+        "tables": [],
+        "dtypes": {},
+    }
     for name, rows in zip(c.sparse_features, c.num_embeddings):
-        out["tables"].append({"name": name, "rows": rows,
-                              **{d: table_bytes(rows, c.embedding_dim, d) for d in EMBEDDING_DTYPES}})
+        out["tables"].append(
+            {"name": name, "rows": rows, **{d: table_bytes(rows, c.embedding_dim, d) for d in EMBEDDING_DTYPES}}
+        )
     for d in EMBEDDING_DTYPES:
         tables = sum(t[d] for t in out["tables"])
         per_worker = dense + worker
@@ -148,11 +178,15 @@ def report(config, budget: int, worker: int, base_s: float, disk_mbps: float, cp
 
         rule = cpu_rule(cpus)
         d = out["dtypes"][c.build.embedding_dtype]
-        out["cpus"] = {"cpus": cpus, "rule_workers": rule.workers, "torch_threads": rule.threads,
-                       "workers": min(rule.workers, d["workers_shared"] or d["workers_paged"]),
-                       "paged": d["workers_shared"] < 1,
-                       "memory_bytes": (d["table_bytes"] if d["workers_shared"] >= 1 else d["working_set_bytes"])
-                       + rule.workers * (dense + worker)}
+        out["cpus"] = {
+            "cpus": cpus,
+            "rule_workers": rule.workers,
+            "torch_threads": rule.threads,
+            "workers": min(rule.workers, d["workers_shared"] or d["workers_paged"]),
+            "paged": d["workers_shared"] < 1,
+            "memory_bytes": (d["table_bytes"] if d["workers_shared"] >= 1 else d["working_set_bytes"])
+            + rule.workers * (dense + worker),
+        }
     return out
 
 
@@ -188,43 +222,79 @@ def full_rows(path: str | Path, config) -> tuple[int, ...] | None:
         return None
     rows = yaml.safe_load(re.sub(r"\n\s*#", " ", m.group(1)))
     if len(rows) != config.num_features or not all(isinstance(r, int) and r > 0 for r in rows):
-        sys.exit(f"error: {path}: '# full:' must list one positive row count per sparse feature "
-                 f"({config.num_features}), got {rows!r}")
+        sys.exit(
+            f"error: {path}: '# full:' must list one positive row count per sparse feature "
+            f"({config.num_features}), got {rows!r}"
+        )
     return tuple(rows)
 
 
 def _print_budget(rep: dict, dtypes: list[str]) -> None:
     print(f"{'':<16}{'':>14}" + "".join(f"{d:>13}" for d in dtypes))
-    for key, label in (("workers_unshared", "workers, copies"), ("workers_shared", "workers, mmap"),
-                       ("working_set_bytes", "working set"), ("workers_paged", "workers, paged"),
-                       ("startup_timeout_s", "startupTimeout")):
+    for key, label in (
+        ("workers_unshared", "workers, copies"),
+        ("workers_shared", "workers, mmap"),
+        ("working_set_bytes", "working set"),
+        ("workers_paged", "workers, paged"),
+        ("startup_timeout_s", "startupTimeout"),
+    ):
         cell = (lambda v: human(v)) if key == "working_set_bytes" else (lambda v: v)
         print(f"{label:<30}" + "".join(f"{cell(rep['dtypes'][d][key]):>13}" for d in dtypes))
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=str(ROOT / "model-config.yaml"),
-                    help="model-config.yaml with a handler: section (default: %(default)s)")
-    ap.add_argument("--memory", type=parse_bytes, default=None,
-                    help="memory budget for this model's workers, e.g. 24GiB (default: this machine's RAM)")
-    ap.add_argument("--worker-overhead", type=parse_bytes, default=parse_bytes("450MiB"),
-                    help="memory of one worker process besides the model: Python, torch, torchrec, TorchServe "
-                         "(default: %(default)s bytes, a margin over the ~0.3 GB each extra CPU worker added in "
-                         "bench/bench_scale.py's measurement)")
-    ap.add_argument("--base-seconds", type=float, default=20.0,
-                    help="worker start without the tables: imports, TorchServe handshake (default: %(default)s)")
-    ap.add_argument("--disk-mbps", type=float, default=200.0,
-                    help="read rate for the startupTimeout bound, MB/s (default: %(default)s)")
-    ap.add_argument("--cpus", type=int, default=None,
-                    help="CPUs to size the workers for (default: the CPUs this process may use: affinity and "
-                         "cgroup quota)")
-    ap.add_argument("--hit-rate", type=float, default=0.9,
-                    help="share of lookups the page cache must serve when the tables do not fit (the 'paged' "
-                         "rule; default: %(default)s)")
-    ap.add_argument("--zipf", type=float, default=1.05,
-                    help="power-law exponent s of the ids' frequencies (row of rank i looked up in proportion to "
-                         "i^-s) for the 'paged' rule (default: %(default)s; docs/scale.md says why)")
+    ap.add_argument(
+        "--config",
+        default=str(ROOT / "model-config.yaml"),
+        help="model-config.yaml with a handler: section (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--memory",
+        type=parse_bytes,
+        default=None,
+        help="memory budget for this model's workers, e.g. 24GiB (default: this machine's RAM)",
+    )
+    ap.add_argument(
+        "--worker-overhead",
+        type=parse_bytes,
+        default=parse_bytes("450MiB"),
+        help="memory of one worker process besides the model: Python, torch, torchrec, TorchServe "
+        "(default: %(default)s bytes, a margin over the ~0.3 GB each extra CPU worker added in "
+        "bench/bench_scale.py's measurement)",
+    )
+    ap.add_argument(
+        "--base-seconds",
+        type=float,
+        default=20.0,
+        help="worker start without the tables: imports, TorchServe handshake (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--disk-mbps",
+        type=float,
+        default=200.0,
+        help="read rate for the startupTimeout bound, MB/s (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--cpus",
+        type=int,
+        default=None,
+        help="CPUs to size the workers for (default: the CPUs this process may use: affinity and cgroup quota)",
+    )
+    ap.add_argument(
+        "--hit-rate",
+        type=float,
+        default=0.9,
+        help="share of lookups the page cache must serve when the tables do not fit (the 'paged' "
+        "rule; default: %(default)s)",
+    )
+    ap.add_argument(
+        "--zipf",
+        type=float,
+        default=1.05,
+        help="power-law exponent s of the ids' frequencies (row of rank i looked up in proportion to "
+        "i^-s) for the 'paged' rule (default: %(default)s; docs/scale.md says why)",
+    )
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
 
@@ -245,12 +315,27 @@ def main(argv: list[str] | None = None) -> dict:
         args.cpus = available_cpus()
     if not 0 < args.hit_rate <= 1 or args.zipf <= 0:
         ap.error("--hit-rate must be in (0, 1] and --zipf > 0")
-    rep = report(config, args.memory, args.worker_overhead, args.base_seconds, args.disk_mbps, args.cpus,
-                 args.hit_rate, args.zipf)
+    rep = report(
+        config,
+        args.memory,
+        args.worker_overhead,
+        args.base_seconds,
+        args.disk_mbps,
+        args.cpus,
+        args.hit_rate,
+        args.zipf,
+    )
     full = full_rows(args.config, config)
     if full:
-        rep["full"] = report(dataclasses.replace(config, num_embeddings=full), args.memory, args.worker_overhead,
-                             args.base_seconds, args.disk_mbps, hit_rate=args.hit_rate, zipf=args.zipf)
+        rep["full"] = report(
+            dataclasses.replace(config, num_embeddings=full),
+            args.memory,
+            args.worker_overhead,
+            args.base_seconds,
+            args.disk_mbps,
+            hit_rate=args.hit_rate,
+            zipf=args.zipf,
+        )
     if args.json:
         print(json.dumps(rep, indent=2))
         return rep
@@ -259,25 +344,38 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'table':<16}{'rows':>14}" + "".join(f"{d:>13}" for d in dtypes))
     for t in rep["tables"]:
         print(f"{t['name']:<16}{t['rows']:>14,}" + "".join(f"{human(t[d]):>13}" for d in dtypes))
-    print(f"{'total':<16}{sum(config.num_embeddings):>14,}" + "".join(f"{human(rep['dtypes'][d]['table_bytes']):>13}" for d in dtypes))
-    print(f"\ndense part {human(rep['dense_bytes'])}; budget {human(args.memory)}, "
-          f"{human(args.worker_overhead)} per worker process")
+    print(
+        f"{'total':<16}{sum(config.num_embeddings):>14,}"
+        + "".join(f"{human(rep['dtypes'][d]['table_bytes']):>13}" for d in dtypes)
+    )
+    print(
+        f"\ndense part {human(rep['dense_bytes'])}; budget {human(args.memory)}, "
+        f"{human(args.worker_overhead)} per worker process"
+    )
     _print_budget(rep, dtypes)
     c = rep["cpus"]
-    print(f"\n{c['cpus']} CPU(s): the CPU rule's {c['rule_workers']} worker(s) x {c['torch_threads']} torch thread(s) "
-          f"need {human(c['memory_bytes'])} with {config.build.embedding_dtype} tables"
-          + ("" if c["workers"] == c["rule_workers"] else f"; the budget holds only {c['workers']}: set maxWorkers"))
+    print(
+        f"\n{c['cpus']} CPU(s): the CPU rule's {c['rule_workers']} worker(s) x {c['torch_threads']} torch thread(s) "
+        f"need {human(c['memory_bytes'])} with {config.build.embedding_dtype} tables"
+        + ("" if c["workers"] == c["rule_workers"] else f"; the budget holds only {c['workers']}: set maxWorkers")
+    )
     if full:
         capped = sum(f != r for f, r in zip(full, config.num_embeddings))
-        print(f"\nuncapped: the config's '# full:' rows ({capped} of {config.num_features} tables are capped "
-              f"in the config)")
-        print(f"{'total':<16}{sum(full):>14,}"
-              + "".join(f"{human(rep['full']['dtypes'][d]['table_bytes']):>13}" for d in dtypes))
+        print(
+            f"\nuncapped: the config's '# full:' rows ({capped} of {config.num_features} tables are capped "
+            f"in the config)"
+        )
+        print(
+            f"{'total':<16}{sum(full):>14,}"
+            + "".join(f"{human(rep['full']['dtypes'][d]['table_bytes']):>13}" for d in dtypes)
+        )
         _print_budget(rep["full"], dtypes)
-    print("\n'copies': each worker holds the tables (GPU, or the seed's floor(memory / model) rule); "
-          "'mmap': CPU workers share one page-cache copy of the archive's tables; "
-          f"'paged': tables larger than memory, the page cache holding the working set that serves "
-          f"{args.hit_rate:g} of the lookups (ids Zipf s={args.zipf:g}, hot rows scattered over 4 KiB pages).")
+    print(
+        "\n'copies': each worker holds the tables (GPU, or the seed's floor(memory / model) rule); "
+        "'mmap': CPU workers share one page-cache copy of the archive's tables; "
+        f"'paged': tables larger than memory, the page cache holding the working set that serves "
+        f"{args.hit_rate:g} of the lookups (ids Zipf s={args.zipf:g}, hot rows scattered over 4 KiB pages)."
+    )
     return rep
 
 

@@ -52,15 +52,28 @@ from scripts.tsctl import free_port  # noqa: E402
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="folder for checkpoint/, heldout.json and verify.jsonl")
-    ap.add_argument("--world-size", type=int, default=2, choices=[1, 2], help="trainer processes (default: %(default)s)")
-    ap.add_argument("--sharding", default="table_wise", choices=["table_wise", "column_wise"],
-                    help="how DMP places the tables on the ranks (default: %(default)s)")
-    ap.add_argument("--interaction", default="dot", choices=["dot", "dcn", "projection"],
-                    help="torchrec DLRM, DLRM_DCN or DLRM_Projection (default: %(default)s)")
+    ap.add_argument(
+        "--world-size", type=int, default=2, choices=[1, 2], help="trainer processes (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--sharding",
+        default="table_wise",
+        choices=["table_wise", "column_wise"],
+        help="how DMP places the tables on the ranks (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--interaction",
+        default="dot",
+        choices=["dot", "dcn", "projection"],
+        help="torchrec DLRM, DLRM_DCN or DLRM_Projection (default: %(default)s)",
+    )
     ap.add_argument("--num-dense", type=int, default=13, help="dense features int_0.. (default: %(default)s)")
     ap.add_argument("--num-sparse", type=int, default=4, help="sparse features cat_0.. (default: %(default)s)")
-    ap.add_argument("--sparse-features", metavar="F1,F2,...",
-                    help="name the sparse features (tables t_<name>, in this order) instead of cat_0..")
+    ap.add_argument(
+        "--sparse-features",
+        metavar="F1,F2,...",
+        help="name the sparse features (tables t_<name>, in this order) instead of cat_0..",
+    )
     ap.add_argument("--rows", type=int, default=100, help="rows per table (default: %(default)s)")
     ap.add_argument("--dim", type=int, default=8, help="embedding_dim D (default: %(default)s)")
     ap.add_argument("--dense-arch", default="32,8", help="dense arch sizes, last = D (default: %(default)s)")
@@ -69,16 +82,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dcn-low-rank-dim", type=int, default=4, help="dcn: low rank (default: %(default)s)")
     ap.add_argument("--branch1", default="16,8", help="projection: branch 1 sizes (default: %(default)s)")
     ap.add_argument("--branch2", default="16,8", help="projection: branch 2 sizes (default: %(default)s)")
-    ap.add_argument("--steps", type=int, default=300, help="training steps on synthetic clicks (a --tsv file is read once) (default: %(default)s)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=300,
+        help="training steps on synthetic clicks (a --tsv file is read once) (default: %(default)s)",
+    )
     ap.add_argument("--batch-size", type=int, default=256, help="global batch per step (default: %(default)s)")
     ap.add_argument("--lr", type=float, default=0.05, help="Adagrad learning rate (default: %(default)s)")
     ap.add_argument("--heldout", type=int, default=1000, help="held-out rows (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="data and init seed (default: %(default)s)")
-    ap.add_argument("--tsv", help="Criteo-format TSV (label, 13 ints, 26 hex ids) instead of synthetic clicks, "
-                    "transformed as torchrec's tsv_to_npys does and as the handler serves raw lines (dlrmkit.criteo: "
-                    "dense ln(x + 2 - min), ids int(hex, 16) %% rows); the last --heldout lines are held out and "
-                    "saved raw in heldout.json (lines, dense_shift)")
-    ap.add_argument("--resume", metavar="DIR", help="start from DIR/checkpoint (a previous --out) instead of a fresh init")
+    ap.add_argument(
+        "--tsv",
+        help="Criteo-format TSV (label, 13 ints, 26 hex ids) instead of synthetic clicks, "
+        "transformed as torchrec's tsv_to_npys does and as the handler serves raw lines (dlrmkit.criteo: "
+        "dense ln(x + 2 - min), ids int(hex, 16) %% rows); the last --heldout lines are held out and "
+        "saved raw in heldout.json (lines, dense_shift)",
+    )
+    ap.add_argument(
+        "--resume", metavar="DIR", help="start from DIR/checkpoint (a previous --out) instead of a fresh init"
+    )
     ap.add_argument("--publish-dir", metavar="D", help="write live-update deltas into D (docs/live-updates.md)")
     ap.add_argument("--publish-every", type=int, default=10, metavar="N", help="steps per delta (default: %(default)s)")
     ap.add_argument("--publish-base", metavar="B", help="the served archive's base version (its delta-base.txt)")
@@ -106,7 +129,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def features(args) -> tuple[list[str], list[str]]:
     """torchrec's Criteo names: dense int_0.., sparse cat_0.. (tables t_cat_0..) or --sparse-features."""
-    return [f"int_{i}" for i in range(args.num_dense)], args.sparse_features or [f"cat_{i}" for i in range(args.num_sparse)]
+    return [f"int_{i}" for i in range(args.num_dense)], args.sparse_features or [
+        f"cat_{i}" for i in range(args.num_sparse)
+    ]
 
 
 class Clicks:
@@ -130,12 +155,16 @@ class Clicks:
         """The file through the handler's own transform, shifted by the file's minimum as
         tsv_to_npys does (``self.dense_shift``); the held-out lines kept raw in ``self.lines``."""
         from dlrmkit import criteo
+
         parsed = criteo.read_file(path)
         self.dense_shift = criteo.MIN_SHIFTED - int(parsed.dense.min())
         dense, _ = criteo.dense_features(parsed.dense, self.dense_shift)
-        self.lines = path.read_text().rstrip("\r\n").split("\n")[-self.args.heldout:]
-        return (torch.from_numpy(dense), torch.from_numpy(parsed.ids % self.args.rows),
-                torch.from_numpy(parsed.labels.clip(0)).float())
+        self.lines = path.read_text().rstrip("\r\n").split("\n")[-self.args.heldout :]
+        return (
+            torch.from_numpy(dense),
+            torch.from_numpy(parsed.ids % self.args.rows),
+            torch.from_numpy(parsed.labels.clip(0)).float(),
+        )
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -146,8 +175,11 @@ class Clicks:
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
         ids = self.ids[lo:hi]
-        kjt = KeyedJaggedTensor(keys=sparse_names, values=ids.T.reshape(-1),  # key-major
-                                lengths=torch.ones(ids.numel(), dtype=torch.int64))
+        kjt = KeyedJaggedTensor(
+            keys=sparse_names,
+            values=ids.T.reshape(-1),  # key-major
+            lengths=torch.ones(ids.numel(), dtype=torch.int64),
+        )
         return Batch(dense_features=self.dense[lo:hi], sparse_features=kjt, labels=self.labels[lo:hi])
 
 
@@ -156,17 +188,24 @@ def build_model(args, sparse_names: list[str]):
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=args.dim, num_embeddings=args.rows,
-                                 feature_names=[f]) for f in sparse_names]
+    tables = [
+        EmbeddingBagConfig(name=f"t_{f}", embedding_dim=args.dim, num_embeddings=args.rows, feature_names=[f])
+        for f in sparse_names
+    ]
     # Tables on meta: DMP allocates each shard on its rank (torchrec's example does the same).
-    common = dict(embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
-                  dense_in_features=args.num_dense, dense_arch_layer_sizes=args.dense_arch,
-                  over_arch_layer_sizes=args.over_arch, dense_device=torch.device("cpu"))
+    common = dict(
+        embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
+        dense_in_features=args.num_dense,
+        dense_arch_layer_sizes=args.dense_arch,
+        over_arch_layer_sizes=args.over_arch,
+        dense_device=torch.device("cpu"),
+    )
     if args.interaction == "dcn":
         model = DLRM_DCN(**common, dcn_num_layers=args.dcn_num_layers, dcn_low_rank_dim=args.dcn_low_rank_dim)
     elif args.interaction == "projection":
-        model = DLRM_Projection(**common, interaction_branch1_layer_sizes=args.branch1,
-                                interaction_branch2_layer_sizes=args.branch2)
+        model = DLRM_Projection(
+            **common, interaction_branch1_layer_sizes=args.branch1, interaction_branch2_layer_sizes=args.branch2
+        )
     else:
         model = DLRM(**common)
     return DLRMTrain(model)
@@ -197,11 +236,11 @@ def worker(rank: int, args, port: int) -> None:
     # table-row-wise are not offered on CPU: torchrec's planner finds "no available sharding type
     # and compute kernel combination" for them with fbgemm-gpu-cpu.
     kind = {"table_wise": ShardingType.TABLE_WISE, "column_wise": ShardingType.COLUMN_WISE}[args.sharding]
-    constraints = {f"t_{f}": ParameterConstraints(sharding_types=[kind.value], min_partition=4)
-                   for f in sparse_names}
+    constraints = {f"t_{f}": ParameterConstraints(sharding_types=[kind.value], min_partition=4) for f in sparse_names}
     sharders = [EmbeddingBagCollectionSharder()]
     plan = EmbeddingShardingPlanner(
-        topology=Topology(world_size=args.world_size, compute_device="cpu"), constraints=constraints,
+        topology=Topology(world_size=args.world_size, compute_device="cpu"),
+        constraints=constraints,
     ).collective_plan(model, sharders, dist.GroupMember.WORLD)
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
     dense_opt = KeyedOptimizerWrapper(dict(dmp.named_parameters()), lambda ps: torch.optim.Adagrad(ps, lr=args.lr))
@@ -230,8 +269,10 @@ def worker(rank: int, args, port: int) -> None:
             publish(step + 1)
         if step % max(1, steps // 5) == 0 or step == steps - 1:
             log(f"step {step + 1}/{steps}: loss {loss.item():.4f}")
-    log(f"trained {steps} steps of {args.batch_size} rows on {args.world_size} rank(s) "
-        f"in {time.perf_counter() - started:.1f} s")
+    log(
+        f"trained {steps} steps of {args.batch_size} rows on {args.world_size} rank(s) "
+        f"in {time.perf_counter() - started:.1f} s"
+    )
 
     # Every rank scores the whole held-out set (each rank's local batch), so rank 0 holds all of it.
     dmp.eval()
@@ -244,27 +285,51 @@ def worker(rank: int, args, port: int) -> None:
     dcp.save(dmp.state_dict(), checkpoint_id=out / "checkpoint")
     if rank == 0:
         ids = data.ids[train_rows:]
-        rows = [{"dense": d, "sparse": {"keys": sparse_names, "values": i, "lengths": [1] * len(i)}}
-                for d, i in zip(dense.tolist(), ids.tolist())]
-        doc = {"dense_features": dense_names, "sparse_features": sparse_names, "interaction": args.interaction,
-               "rows": rows, "labels": labels.tolist(), "scores": scores.tolist(), "auc": auc(scores, labels)}
+        rows = [
+            {"dense": d, "sparse": {"keys": sparse_names, "values": i, "lengths": [1] * len(i)}}
+            for d, i in zip(dense.tolist(), ids.tolist())
+        ]
+        doc = {
+            "dense_features": dense_names,
+            "sparse_features": sparse_names,
+            "interaction": args.interaction,
+            "rows": rows,
+            "labels": labels.tolist(),
+            "scores": scores.tolist(),
+            "auc": auc(scores, labels),
+        }
         if args.tsv:  # what a server with raw_input: criteo_tsv is sent, and the shift it needs
             doc.update(lines=[line.rstrip("\r") for line in data.lines], dense_shift=data.dense_shift)
         (out / "heldout.json").write_text(json.dumps(doc))
-        (out / "verify.jsonl").write_text("".join(
-            json.dumps({"request": {"instances": rows[i:i + 100]}, "scores": doc["scores"][i:i + 100],
-                        "labels": doc["labels"][i:i + 100]}) + "\n" for i in range(0, len(rows), 100)))
+        (out / "verify.jsonl").write_text(
+            "".join(
+                json.dumps(
+                    {
+                        "request": {"instances": rows[i : i + 100]},
+                        "scores": doc["scores"][i : i + 100],
+                        "labels": doc["labels"][i : i + 100],
+                    }
+                )
+                + "\n"
+                for i in range(0, len(rows), 100)
+            )
+        )
         # The last training rows as /predictions bodies: build_mar.py --calibrate's sample for int8's
         # static scales, disjoint from the held-out rows --verify judges the contract on.
         lo = max(0, train_rows - CALIBRATION_ROWS)
         sample = data.batch(lo, train_rows, sparse_names)
-        calib = [{"dense": d, "sparse": {"keys": sparse_names, "values": i, "lengths": [1] * len(i)}}
-                 for d, i in zip(sample.dense_features.tolist(), data.ids[lo:train_rows].tolist())]
-        (out / "calibration.jsonl").write_text("".join(
-            json.dumps({"instances": calib[i:i + 128]}) + "\n" for i in range(0, len(calib), 128)))
-        log(f"held-out AUC {doc['auc']:.4f} on {len(rows)} rows; saved {out / 'checkpoint'} "
+        calib = [
+            {"dense": d, "sparse": {"keys": sparse_names, "values": i, "lengths": [1] * len(i)}}
+            for d, i in zip(sample.dense_features.tolist(), data.ids[lo:train_rows].tolist())
+        ]
+        (out / "calibration.jsonl").write_text(
+            "".join(json.dumps({"instances": calib[i : i + 128]}) + "\n" for i in range(0, len(calib), 128))
+        )
+        log(
+            f"held-out AUC {doc['auc']:.4f} on {len(rows)} rows; saved {out / 'checkpoint'} "
             f"(DCP, {args.world_size} rank(s)), {out / 'heldout.json'}, {out / 'verify.jsonl'} and "
-            f"{out / 'calibration.jsonl'} ({len(calib)} training rows)")
+            f"{out / 'calibration.jsonl'} ({len(calib)} training rows)"
+        )
     dist.destroy_process_group()
 
 
@@ -294,15 +359,22 @@ class Publisher:
             shards = state[f"{fqn}.weight"].local_shards()
             if shards and len(unique.ids):  # table-wise: the owning rank holds the whole table
                 ids = unique.ids.to(torch.int64)
-                mine[fqn[len(self.PREFIX) + 2:]] = (ids, shards[0].tensor[ids].detach().clone())  # t_<f> -> f
+                mine[fqn[len(self.PREFIX) + 2 :]] = (ids, shards[0].tensor[ids].detach().clone())  # t_<f> -> f
         gathered = [None] * self.args.world_size
         dist.all_gather_object(gathered, mine)
         if self.rank != 0:
             return
         tables = {t: rows for part in gathered for t, rows in part.items()}
-        dense = {k[len("model."):]: v for k, v in state.items() if not k.startswith(self.PREFIX)}
-        path = write_delta(self.args.publish_dir, self.args.publish_model, self.args.publish_base, self.sequence,
-                           tables, dense, extra={"step": str(step), "step_time": repr(stepped)})
+        dense = {k[len("model.") :]: v for k, v in state.items() if not k.startswith(self.PREFIX)}
+        path = write_delta(
+            self.args.publish_dir,
+            self.args.publish_model,
+            self.args.publish_base,
+            self.sequence,
+            tables,
+            dense,
+            extra={"step": str(step), "step_time": repr(stepped)},
+        )
         self.log(f"step {step}: delta {path.name}, {sum(len(i) for i, _ in tables.values())} rows")
         self.sequence += 1
 

@@ -89,8 +89,12 @@ class Server:
         if not props.is_file():
             raise FileNotFoundError(f"no server was started from {home} ({props} is missing)")
         logs = Path(home) / "log_dir"
-        return cls(home=home, properties=props, model_store=Path(read_properties(props)["model_store"]),
-                   log_dir=Path(logs.read_text()) if logs.is_file() else None)
+        return cls(
+            home=home,
+            properties=props,
+            model_store=Path(read_properties(props)["model_store"]),
+            log_dir=Path(logs.read_text()) if logs.is_file() else None,
+        )
 
     @classmethod
     def on_free_ports(cls, home: Path, **kw) -> Server:
@@ -164,19 +168,33 @@ class Server:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.log_dir / "torchserve.out", "ab")
         except OSError as e:  # TorchServe would start and log nothing: refuse instead
-            raise RuntimeError(f"cannot write TorchServe's logs in {self.log_dir}: {e.strerror}; "
-                               "free or remount it, or start with another log folder") from None
+            raise RuntimeError(
+                f"cannot write TorchServe's logs in {self.log_dir}: {e.strerror}; "
+                "free or remount it, or start with another log folder"
+            ) from None
         props = self.write_properties()
         plugins = read_properties(props).get("plugins_path")
         if plugins and not any(Path(plugins).glob("*.jar")):  # TorchServe would start without /v2's GETs
-            raise RuntimeError(f"plugins_path={plugins} holds no plugin jar: run `make plugin` "
-                               "(the Open Inference Protocol endpoints)")
+            raise RuntimeError(
+                f"plugins_path={plugins} holds no plugin jar: run `make plugin` (the Open Inference Protocol endpoints)"
+            )
         (self.home / "log_dir").write_text(str(self.log_dir))  # for attach (rollout.py)
         with out:
             subprocess.run(
-                [str(BIN / "torchserve"), "--start", "--ts-config", str(props),
-                 "--model-store", str(self.model_store.resolve()), "--ncs"],
-                check=True, cwd=self.home, env=self.env(), stdout=out, stderr=subprocess.STDOUT,
+                [
+                    str(BIN / "torchserve"),
+                    "--start",
+                    "--ts-config",
+                    str(props),
+                    "--model-store",
+                    str(self.model_store.resolve()),
+                    "--ncs",
+                ],
+                check=True,
+                cwd=self.home,
+                env=self.env(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
             )
         return self
@@ -188,8 +206,13 @@ class Server:
         with open(self.log_dir / "torchserve.out", "ab") as out:
             subprocess.run(
                 [str(BIN / "torchserve"), "--stop", "--foreground"],
-                check=False, cwd=self.home, env=self.env(), stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, timeout=90,
+                check=False,
+                cwd=self.home,
+                env=self.env(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                timeout=90,
             )
 
     def running(self) -> bool:
@@ -223,7 +246,9 @@ class Server:
         last = "no answer yet"
         while time.monotonic() < deadline:
             if not self.running():
-                raise RuntimeError(f"TorchServe exited during startup; see {self.log_dir}/torchserve.out and ts_log.log")
+                raise RuntimeError(
+                    f"TorchServe exited during startup; see {self.log_dir}/torchserve.out and ts_log.log"
+                )
             ok, _, last = self.ready(model, probe)
             if ok:
                 return json.loads(last)
@@ -267,8 +292,10 @@ class Server:
             if len(ready) >= count:
                 return ready
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{model}: {len(ready)} of {count} workers READY after {timeout:.0f} s "
-                                   f"({[w.get('status') for w in workers]}); see {self.log_dir}/")
+                raise TimeoutError(
+                    f"{model}: {len(ready)} of {count} workers READY after {timeout:.0f} s "
+                    f"({[w.get('status') for w in workers]}); see {self.log_dir}/"
+                )
             time.sleep(0.5)
 
     def wipe(self) -> None:
@@ -283,10 +310,12 @@ def worker_pids(management_url: str, model: str, headers: dict | None = None) ->
     return sorted(w["pid"] for m in json.loads(body) for w in m["workers"])
 
 
-def post(url: str, body: bytes, content_type: str = "application/json", headers: dict | None = None,
-         timeout: float = 30.0) -> tuple[int, bytes, dict]:
-    req = urllib.request.Request(url, data=body, method="POST",
-                                 headers={"Content-Type": content_type, **(headers or {})})
+def post(
+    url: str, body: bytes, content_type: str = "application/json", headers: dict | None = None, timeout: float = 30.0
+) -> tuple[int, bytes, dict]:
+    req = urllib.request.Request(
+        url, data=body, method="POST", headers={"Content-Type": content_type, **(headers or {})}
+    )
     return _send(req, timeout)
 
 
@@ -319,4 +348,3 @@ def _read_properties(path: Path) -> list[tuple[str, str]]:
 
 def read_properties(path: Path) -> dict:
     return dict(_read_properties(path))
-

@@ -37,8 +37,11 @@ def variant(interaction: str, dim: int = 8) -> dict:
     return {
         "dot": {},
         "dcn": {"interaction": "dcn", "dcn_num_layers": 2, "dcn_low_rank_dim": 4},
-        "projection": {"interaction": "projection", "interaction_branch1_layer_sizes": [2 * dim, 2 * dim],
-                       "interaction_branch2_layer_sizes": [3 * dim]},
+        "projection": {
+            "interaction": "projection",
+            "interaction_branch1_layer_sizes": [2 * dim, 2 * dim],
+            "interaction_branch2_layer_sizes": [3 * dim],
+        },
     }[interaction]
 
 

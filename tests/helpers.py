@@ -85,22 +85,29 @@ def scrape(srv, model: str = "dlrm") -> dict[str, float]:
     assert status == 200
     out = {}
     for line in text.decode().splitlines():
-        m = re.match(r'(dlrm_\w+)\{(?:ErrorType="(\w+)",)?ModelName="' + re.escape(model)
-                     + r'",Level="Model",Hostname="[^"]*",\} (\S+)$', line)
+        m = re.match(
+            r'(dlrm_\w+)\{(?:ErrorType="(\w+)",)?ModelName="'
+            + re.escape(model)
+            + r'",Level="Model",Hostname="[^"]*",\} (\S+)$',
+            line,
+        )
         if m:
             out[m.group(1) + (f"[{m.group(2)}]" if m.group(2) else "")] = float(m.group(3))
     return out
 
 
-def metrics_delta(srv, want: dict[str, float], before: dict[str, float], timeout: float = 30.0,
-                  model: str = "dlrm") -> dict[str, float]:
+def metrics_delta(
+    srv, want: dict[str, float], before: dict[str, float], timeout: float = 30.0, model: str = "dlrm"
+) -> dict[str, float]:
     """The frontend reads the worker's metric lines asynchronously: poll until the counters have
     moved by at least ``want`` (bounded); the caller asserts exact values on the returned deltas."""
+
     def delta(now):
         return {k: now.get(k, 0) - before.get(k, 0) for k in set(now) | set(want)}
 
-    return delta(wait_until(lambda: scrape(srv, model),
-                            lambda now: all(delta(now)[k] >= v for k, v in want.items()), timeout))
+    return delta(
+        wait_until(lambda: scrape(srv, model), lambda now: all(delta(now)[k] >= v for k, v in want.items()), timeout)
+    )
 
 
 def settled(srv, timeout: float = 30.0, model: str = "dlrm") -> dict[str, float]:
@@ -129,8 +136,17 @@ def grpc_modules(out: Path):
             (out / name).parent.mkdir(parents=True, exist_ok=True)
             (out / name).write_bytes(z.read(name))
     well_known = Path(protoc.__file__).parent / "_proto"
-    rc = protoc.main(["protoc", f"-I{out}", f"-I{well_known}", f"--python_out={out}", f"--grpc_python_out={out}",
-                      str(out / "inference.proto"), str(out / "google/rpc/status.proto")])
+    rc = protoc.main(
+        [
+            "protoc",
+            f"-I{out}",
+            f"-I{well_known}",
+            f"--python_out={out}",
+            f"--grpc_python_out={out}",
+            str(out / "inference.proto"),
+            str(out / "google/rpc/status.proto"),
+        ]
+    )
     assert rc == 0
     sys.path.insert(0, str(out))
     import inference_pb2

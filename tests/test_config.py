@@ -14,12 +14,21 @@ CRITEO = DLRMConfig.from_yaml(ROOT / "model-config.criteo.yaml").to_dict()
 
 
 def test_flat_keys_land_in_their_groups():
-    c = tiny_config(output="logit", id_overflow="modulo", embedding_dtype="int8", dense_precision="bf16",
-                    table_names={"feature_1": "t1"}, torch_threads=2, split_rows=350, delta_dir="/deltas",
-                    delta_poll_s=2)
+    c = tiny_config(
+        output="logit",
+        id_overflow="modulo",
+        embedding_dtype="int8",
+        dense_precision="bf16",
+        table_names={"feature_1": "t1"},
+        torch_threads=2,
+        split_rows=350,
+        delta_dir="/deltas",
+        delta_poll_s=2,
+    )
     assert c.build == Build(seed=3, embedding_dtype="int8", dense_precision="bf16", table_names=(("feature_1", "t1"),))
-    assert c.requests == Requests(output="logit", id_overflow="modulo", max_instances_per_request=8,
-                                  max_ids_per_request=64)
+    assert c.requests == Requests(
+        output="logit", id_overflow="modulo", max_instances_per_request=8, max_ids_per_request=64
+    )
     assert c.threads == Threads(torch_threads=2, split_rows=350)
     assert c.live == Live(delta_dir="/deltas", delta_poll_s=2)
     assert c.raw == RawInput()
@@ -33,7 +42,11 @@ def test_defaults_are_the_groups_defaults():
     assert c.requests == Requests(max_instances_per_request=8, max_ids_per_request=64)
     assert c.threads == Threads() and c.live == Live() and c.raw == RawInput() and c.build == Build(seed=3)
     assert (c.requests.output, c.requests.id_overflow, c.threads.split_rows, c.live.delta_poll_s) == (
-        "probability", "error", 0, 0.5)
+        "probability",
+        "error",
+        0,
+        0.5,
+    )
 
 
 def test_every_key_is_one_field_and_the_unknown_key_message_lists_them_all():

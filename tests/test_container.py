@@ -33,8 +33,10 @@ pytestmark = pytest.mark.container
 
 DEPLOY = ROOT / "deploy" / "kserve"
 IMAGE = yaml.safe_load((DEPLOY / "base" / "servingruntime.yaml").read_text())["spec"]["containers"][0]["image"]
-SEED = {"dense": DENSE_ROWS[0].tolist(), "sparse": {"keys": ["feature_0", "feature_1"], "values": [3, 4, 7],
-                                                     "lengths": [2, 1]}}
+SEED = {
+    "dense": DENSE_ROWS[0].tolist(),
+    "sparse": {"keys": ["feature_0", "feature_1"], "values": [3, 4, 7], "lengths": [2, 1]},
+}
 
 
 def docker(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -45,8 +47,24 @@ def run_args(image: str, name: str, port: int, container_port: int = 8080) -> li
     """`docker run` as deploy/kserve's securityContext runs the image. /tmp as the pods' emptyDir
     is: writable and executable (Docker's --tmpfs is noexec unless told, and Inductor loads the
     dense half it compiles from its cache there)."""
-    return ["run", "-d", "--name", name, "--user", "1000:1000", "--read-only", "--tmpfs", "/tmp:exec",
-            "--cap-drop", "ALL", "--security-opt", "no-new-privileges", "-p", f"127.0.0.1:{port}:{container_port}", image]
+    return [
+        "run",
+        "-d",
+        "--name",
+        name,
+        "--user",
+        "1000:1000",
+        "--read-only",
+        "--tmpfs",
+        "/tmp:exec",
+        "--cap-drop",
+        "ALL",
+        "--security-opt",
+        "no-new-privileges",
+        "-p",
+        f"127.0.0.1:{port}:{container_port}",
+        image,
+    ]
 
 
 def address(container: str) -> str:
@@ -77,8 +95,9 @@ def one(host: str, port: int, body: bytes, timeout: float = 60.0) -> str:
         conn.close()
 
 
-def load_and_stop(container: str, host: str, port: int, concurrency: int, load_s: float, body: bytes,
-                  grace_s: int = 30) -> dict:
+def load_and_stop(
+    container: str, host: str, port: int, concurrency: int, load_s: float, body: bytes, grace_s: int = 30
+) -> dict:
     """Clients loop on host:port, each request on a fresh connection, until the container has
     exited; `docker stop` (SIGTERM, the Kubernetes default 30 s grace) after `load_s`. Each request
     is answered (a 200 with a score), lost (sent, then the connection broke or an error status
@@ -115,15 +134,24 @@ def load_and_stop(container: str, host: str, port: int, concurrency: int, load_s
     for t in threads:
         t.join(timeout=70)
     code = int(docker("inspect", "-f", "{{.State.ExitCode}}", container).stdout.strip())
-    return {"concurrency": concurrency, "load_s": load_s, "before_sigterm": before, "in_flight": in_flight,
-            "after_sigterm": after, "exit_code": code, "sigterm_to_exit_s": round(exit_s, 2)}
+    return {
+        "concurrency": concurrency,
+        "load_s": load_s,
+        "before_sigterm": before,
+        "in_flight": in_flight,
+        "after_sigterm": after,
+        "exit_code": code,
+        "sigterm_to_exit_s": round(exit_s, 2),
+    }
 
 
 @pytest.fixture(scope="session")
 def engine():
     """A Docker engine that answers: skipped without one, failed on CI."""
     if shutil.which("docker") is None or docker("info", check=False).returncode != 0:
-        why = "no Docker engine: start dockerd (as root: apt-get install docker.io mmdebstrap; dockerd &) or run .ci/run"
+        why = (
+            "no Docker engine: start dockerd (as root: apt-get install docker.io mmdebstrap; dockerd &) or run .ci/run"
+        )
         if os.environ.get("CI") == "true":
             pytest.fail(why)
         pytest.skip(why)
@@ -196,8 +224,18 @@ def make_layout(handler: dict) -> Path:
 
     out = Path(tempfile.mkdtemp(prefix="dlrm-layout-"))
     config = out / "model-config.yaml"
-    config.write_text(yaml.safe_dump({"minWorkers": 1, "maxWorkers": 1, "batchSize": 8, "maxBatchDelay": 5,
-                                      "responseTimeout": 60, "handler": handler}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "minWorkers": 1,
+                "maxWorkers": 1,
+                "batchSize": 8,
+                "maxBatchDelay": 5,
+                "responseTimeout": 60,
+                "handler": handler,
+            }
+        )
+    )
     kserve_deploy.main(["layout", "--out", str(out / "models"), "--config", str(config)])
     for p in [out, *out.rglob("*")]:
         p.chmod(0o755 if p.is_dir() else 0o644)
@@ -249,14 +287,20 @@ def test_seed_triton_and_grpc_give_the_in_process_scores(served, tmp_path):
 
     want = reference(ROWS)
     status, body = post(served.url(), json.dumps(SEED).encode())
-    assert status == 200 and np.allclose(body["scores"], reference([instance(DENSE_ROWS[0].tolist(), feature_0=[3, 4],
-                                                                             feature_1=[7])]), atol=1e-5, rtol=0)
+    assert status == 200 and np.allclose(
+        body["scores"],
+        reference([instance(DENSE_ROWS[0].tolist(), feature_0=[3, 4], feature_1=[7])]),
+        atol=1e-5,
+        rtol=0,
+    )
     result = triton(_Url(served.url()), binary=True)
     assert np.allclose(result.as_numpy("scores")[:, 0], want, atol=1e-5, rtol=0)
     pb, pb_grpc = grpc_modules(tmp_path)
     with grpc.insecure_channel(f"127.0.0.1:{served.port(7070)}") as channel:
         answer = pb_grpc.InferenceAPIsServiceStub(channel).Predictions(
-            pb.PredictionsRequest(model_name="dlrm", input={"data": json.dumps({"instances": ROWS}).encode()}), timeout=60)
+            pb.PredictionsRequest(model_name="dlrm", input={"data": json.dumps({"instances": ROWS}).encode()}),
+            timeout=60,
+        )
     assert np.allclose(json.loads(answer.prediction)["scores"], want, atol=1e-5, rtol=0)
 
 
@@ -271,7 +315,9 @@ def test_probe_paths_metrics_and_logs(served):
             assert r.status == 200
             answers[path] = json.loads(r.read())
     # Liveness and startup on TorchServe's /ping; readiness on the OIP plugin's model-ready path.
-    assert answers == {"/ping": {"status": "Healthy"}, "/v2/models/dlrm/ready": {"name": "dlrm", "ready": True}}, answers
+    assert answers == {"/ping": {"status": "Healthy"}, "/v2/models/dlrm/ready": {"name": "dlrm", "ready": True}}, (
+        answers
+    )
     with urllib.request.urlopen(served.url(8085) + "/v2/models/dlrm", timeout=10) as r:
         meta = json.loads(r.read())
     assert meta["name"] == "dlrm" and {"dense", "scores"} <= {t["name"] for t in meta["inputs"] + meta["outputs"]}
@@ -308,8 +354,7 @@ def test_sigterm_under_load_answers_every_accepted_request_and_exits_0(image, la
     try:
         ready(c)
         host = address(c.name)
-        result = load_and_stop(c.name, host, 8085, concurrency=16, load_s=3,
-                                              body=json.dumps(SEED).encode())
+        result = load_and_stop(c.name, host, 8085, concurrency=16, load_s=3, body=json.dumps(SEED).encode())
         assert result["exit_code"] == 0, (result, c.logs()[-4000:])
         assert result["before_sigterm"]["lost"] == 0 and result["before_sigterm"]["answered"] > 0, result
         assert result["in_flight"]["answered"] == result["concurrency"], result
@@ -398,8 +443,9 @@ def test_default_docker_run_serves_the_readme_seed_request(image):
         status, answer = post(c.url(8080), body)
         config = DLRMConfig.from_yaml(ROOT / "model-config.yaml")
         batch, bad = collate([RequestParser(config).parse(body)], config)
-        assert status == 200 and np.allclose(answer["scores"], scores(DLRMFactory(config).random(), batch, config)[0],
-                                             atol=1e-5, rtol=0)
+        assert status == 200 and np.allclose(
+            answer["scores"], scores(DLRMFactory(config).random(), batch, config)[0], atol=1e-5, rtol=0
+        )
     finally:
         c.remove()
 
@@ -416,16 +462,23 @@ def path_without(tool: str, into: Path) -> str:
 
 
 def make_image(base: str, path: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["make", "-C", str(ROOT), "image", f"BASE={base}"], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "PATH": path})
+    return subprocess.run(
+        ["make", "-C", str(ROOT), "image", f"BASE={base}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PATH": path},
+    )
 
 
 def exists(image: str) -> bool:
     return docker("image", "inspect", image, check=False).returncode == 0
 
 
-MISSING = ("cannot be pulled and mmdebstrap (which makes it locally) is missing: install it "
-           "(Debian: apt-get install mmdebstrap), then run make image again")
+MISSING = (
+    "cannot be pulled and mmdebstrap (which makes it locally) is missing: install it "
+    "(Debian: apt-get install mmdebstrap), then run make image again"
+)
 
 
 def test_make_image_without_mmdebstrap_stops_first_and_tags_nothing(engine, tmp_path):
@@ -452,8 +505,9 @@ def test_an_empty_base_is_removed_and_made_again_never_reused(engine, tmp_path):
             pytest.skip("mmdebstrap is not installed: the rebuild half needs it (apt-get install mmdebstrap)")
         # With the tool installed the same call makes a base that runs a shell: no manual cleanup.
         subprocess.run(["docker", "import", "-", base], input=b"", check=True, capture_output=True, timeout=60)
-        out = subprocess.run(["bash", str(ROOT / "scripts" / "base_image.sh"), base], capture_output=True,
-                             text=True, timeout=600)
+        out = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "base_image.sh"), base], capture_output=True, text=True, timeout=600
+        )
         assert out.returncode == 0, out.stderr
         assert f"[image] {base} made locally" in out.stdout
         assert docker("run", "--rm", "--network", "none", base, "/bin/sh", "-c", "echo ok").stdout == "ok\n"

@@ -154,7 +154,10 @@ def columns(dense, **bags):
     idx = {"feature_0": 0, "feature_1": 1, "feature_2": 2}
     return ParsedRequest.columnar(
         np.array(dense, dtype=np.float32),
-        {idx[k]: (np.array(lengths, dtype=np.int64), np.array(values, dtype=np.int64)) for k, (lengths, values) in bags.items()},
+        {
+            idx[k]: (np.array(lengths, dtype=np.int64), np.array(values, dtype=np.int64))
+            for k, (lengths, values) in bags.items()
+        },
         {idx[k]: (f"{k}.lengths", f"{k}.values") for k in bags},
     )
 
@@ -170,12 +173,15 @@ def test_columnar_rows_score_like_the_same_instances_in_one_batch(parser, model,
     assert got[0] == pytest.approx(run(parser, model, config, [single])[0], abs=1e-6)
 
 
-@pytest.mark.parametrize("bags,message", [
-    ({"feature_0": ([1], [3])}, "feature_0.lengths: expected one length per row (2), got shape [1]"),
-    ({"feature_0": ([1, -1], [3])}, "feature_0.lengths[1]: expected a non-negative integer, got -1"),
-    ({"feature_0": ([1, 1], [3])}, "feature_0.values: expected sum(feature_0.lengths) = 2 ids, got shape [1]"),
-    ({"feature_0": ([1, 1], [3, -2])}, "feature_0.values[1]: expected a non-negative integer, got -2"),
-])
+@pytest.mark.parametrize(
+    "bags,message",
+    [
+        ({"feature_0": ([1], [3])}, "feature_0.lengths: expected one length per row (2), got shape [1]"),
+        ({"feature_0": ([1, -1], [3])}, "feature_0.lengths[1]: expected a non-negative integer, got -1"),
+        ({"feature_0": ([1, 1], [3])}, "feature_0.values: expected sum(feature_0.lengths) = 2 ids, got shape [1]"),
+        ({"feature_0": ([1, 1], [3, -2])}, "feature_0.values[1]: expected a non-negative integer, got -2"),
+    ],
+)
 def test_columnar_rejections_name_the_field(bags, message):
     from dlrmkit.errors import BadRequest
 
@@ -198,26 +204,39 @@ def test_columnar_out_of_range_id_names_its_position(config):
 
 # --- the ranking form: {"context": {...}, "candidates": [...]} ---------------------------------
 
+
 def test_ranking_form_scores_exactly_as_the_same_instances(parser, model, config):
     """Each candidate's row is the context plus its own features: the same KJT, so the same
     scores bit for bit, whether the candidates share one key list (the vectorised path) or not."""
     ctx = {"dense": DENSE, "sparse": {"keys": ["feature_2"], "values": [5, 6], "lengths": [2]}}
-    shared = [{"sparse": {"keys": ["feature_1", "feature_0"], "values": [i, 2 * i, i + 1], "lengths": [1, 2]}}
-              for i in range(6)]
+    shared = [
+        {"sparse": {"keys": ["feature_1", "feature_0"], "values": [i, 2 * i, i + 1], "lengths": [1, 2]}}
+        for i in range(6)
+    ]
     mixed = shared[:2] + [{"sparse": {"keys": ["feature_0"], "values": [9], "lengths": [1]}}, {}]
     for cands in (shared, mixed):
         rows = []
         for c in cands:
             s = c.get("sparse", {"keys": [], "values": [], "lengths": []})
-            rows.append({"dense": DENSE, "sparse": {"keys": s["keys"] + ["feature_2"], "values": s["values"] + [5, 6],
-                                                    "lengths": s["lengths"] + [2]}})
+            rows.append(
+                {
+                    "dense": DENSE,
+                    "sparse": {
+                        "keys": s["keys"] + ["feature_2"],
+                        "values": s["values"] + [5, 6],
+                        "lengths": s["lengths"] + [2],
+                    },
+                }
+            )
         want = run(parser, model, config, [body({"instances": rows})])[0]
         got = run(parser, model, config, [body({"context": ctx, "candidates": cands})])[0]
         assert got == want and len(set(got)) == len(set(map(json.dumps, cands)))
 
 
 def test_ranking_form_with_dense_per_candidate_and_in_a_mixed_batch(parser, model, config):
-    cands = [{"dense": [float(i)] * 5, "sparse": {"keys": ["feature_0"], "values": [i], "lengths": [1]}} for i in range(3)]
+    cands = [
+        {"dense": [float(i)] * 5, "sparse": {"keys": ["feature_0"], "values": [i], "lengths": [1]}} for i in range(3)
+    ]
     ctx = {"sparse": {"keys": ["feature_1"], "values": [4], "lengths": [1]}}
     rows = [instance(c["dense"], feature_0=[i], feature_1=[4]) for i, c in enumerate(cands)]
     single = body(instance(DENSE, feature_2=[1]))
@@ -231,16 +250,21 @@ def test_ranking_form_with_dense_per_candidate_and_in_a_mixed_batch(parser, mode
 
 # --- the columns form: {"columns": {"dense": [[...], ...], "sparse": {"<feature>": {...}}}} ------
 
+
 def test_columns_form_scores_exactly_as_the_same_instances(parser, model, config):
     """Feature by feature, in any order, with lengths or single-hot (lengths left out), alone
     or beside a context: the same KJT as the rows, so the same scores bit for bit."""
     dense = [[i / 3, -i, 0.5, 1.0, i * 0.25] for i in range(4)]
     bags0 = [[], [1, 2], [3, 4], []]
     rows = [instance(d, feature_0=bags0[i], feature_1=[7 - i], feature_2=[i % 2]) for i, d in enumerate(dense)]
-    cols = {"dense": dense, "sparse": {
-        "feature_1": {"values": [7, 6, 5, 4]},
-        "feature_2": {"values": [0, 1, 0, 1], "lengths": [1, 1, 1, 1]},
-        "feature_0": {"values": [1, 2, 3, 4], "lengths": [0, 2, 2, 0]}}}
+    cols = {
+        "dense": dense,
+        "sparse": {
+            "feature_1": {"values": [7, 6, 5, 4]},
+            "feature_2": {"values": [0, 1, 0, 1], "lengths": [1, 1, 1, 1]},
+            "feature_0": {"values": [1, 2, 3, 4], "lengths": [0, 2, 2, 0]},
+        },
+    }
     want = run(parser, model, config, [body({"instances": rows})])[0]
     assert len(set(want)) == 4
     assert run(parser, model, config, [body({"columns": cols})])[0] == want
@@ -273,11 +297,21 @@ def test_single_hot_shortcut_builds_the_same_kjt_as_the_general_path(parser, con
     ctx = {"dense": DENSE, "sparse": {"keys": ["feature_2"], "values": [7], "lengths": [1]}}
     hot = [
         body({"instances": [instance([i] * 5, feature_2=[i], feature_0=[i + 1]) for i in range(3)]}),
-        body({"context": ctx, "candidates": [{"sparse": {"keys": ["feature_0"], "values": [i], "lengths": [1]}}
-                                             for i in range(4)]}),
+        body(
+            {
+                "context": ctx,
+                "candidates": [{"sparse": {"keys": ["feature_0"], "values": [i], "lengths": [1]}} for i in range(4)],
+            }
+        ),
         body({"context": ctx, "columns": {"sparse": {"feature_0": {"values": [5, 6]}}}}),
-        body({"columns": {"dense": [DENSE] * 2, "sparse": {"feature_2": {"values": [1, 2], "lengths": [1, 1]},
-                                                           "feature_0": {"values": [3, 4]}}}}),
+        body(
+            {
+                "columns": {
+                    "dense": [DENSE] * 2,
+                    "sparse": {"feature_2": {"values": [1, 2], "lengths": [1, 1]}, "feature_0": {"values": [3, 4]}},
+                }
+            }
+        ),
     ]
     parsed = [parser.parse(b) for b in hot]
     assert all(p.onehot is not None and p.onehot[0] == (0, 2) for p in parsed)
@@ -305,8 +339,10 @@ def test_layout_of_the_json_text_does_not_change_the_rows(parser, config):
     single = [instance([i / 5] * 5, feature_0=[i], feature_2=[i]) for i in range(8)]
     for rows in (multi, single):
         compact = json.dumps({"instances": rows}, separators=(",", ":")).encode()
-        variants = [json.dumps({"instances": rows}, indent=1).encode(),
-                    compact.replace(b'"lengths":[1,1]', b'"lengths": [1, 1]', 3)]
+        variants = [
+            json.dumps({"instances": rows}, indent=1).encode(),
+            compact.replace(b'"lengths":[1,1]', b'"lengths": [1, 1]', 3),
+        ]
         assert variants[1] != compact
         assert all(kjt_of(raw) == kjt_of(compact) for raw in variants)
     assert parser.parse(json.dumps({"instances": single}).encode() + pad).onehot is not None
@@ -315,11 +351,15 @@ def test_layout_of_the_json_text_does_not_change_the_rows(parser, config):
 def test_many_instances_with_one_key_list_parse_as_row_by_row(parser, model, config):
     """The vectorised path (one key list) and the row-by-row path (key orders differ) agree."""
     same = [instance([i / 7] * 5, feature_0=[i % 20], feature_1=[i % 30, 1], feature_2=[]) for i in range(8)]
-    reordered = [instance(r["dense"], feature_2=[], feature_1=[i % 30, 1], feature_0=[i % 20]) if i % 2 else r
-                 for i, r in enumerate(same)]
+    reordered = [
+        instance(r["dense"], feature_2=[], feature_1=[i % 30, 1], feature_0=[i % 20]) if i % 2 else r
+        for i, r in enumerate(same)
+    ]
     a, b = (parser.parse(body({"instances": x})) for x in (same, reordered))
     assert isinstance(a.values, np.ndarray) and isinstance(b.values, list)
-    assert run(parser, model, config, [body({"instances": same})]) == run(parser, model, config, [body({"instances": reordered})])
+    assert run(parser, model, config, [body({"instances": same})]) == run(
+        parser, model, config, [body({"instances": reordered})]
+    )
 
 
 def test_rows_of_a_key_major_kjt():
@@ -327,13 +367,17 @@ def test_rows_of_a_key_major_kjt():
     and weights in the same order."""
     from dlrmkit.batch import rows_of
 
-    kjt = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([10, 11, 12, 20, 21]),
-                            lengths=torch.tensor([1, 2, 0, 0, 1, 1]), weights=torch.tensor([.1, .2, .3, .4, .5]))
+    kjt = KeyedJaggedTensor(
+        keys=["a", "b"],
+        values=torch.tensor([10, 11, 12, 20, 21]),
+        lengths=torch.tensor([1, 2, 0, 0, 1, 1]),
+        weights=torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5]),
+    )
     part = rows_of(kjt, 1, 3)
     assert part.keys() == ["a", "b"] and part.stride() == 2
     assert part.lengths().tolist() == [2, 0, 1, 1]
     assert part.values().tolist() == [11, 12, 20, 21]
-    assert part.weights().tolist() == pytest.approx([.2, .3, .4, .5])
+    assert part.weights().tolist() == pytest.approx([0.2, 0.3, 0.4, 0.5])
     assert rows_of(kjt, 0, 1).values().tolist() == [10] and rows_of(kjt, 0, 1).lengths().tolist() == [1, 0]
 
 
@@ -359,8 +403,10 @@ class RecordingPool:
     def submit(self, fn, model, dense, sparse, config):
         self.rows.append(dense.shape[0])
         if dense.shape[0] == self.fail_on_rows:
+
             def broken(*_):
                 raise RuntimeError("a part failed")
+
             return self.pool.submit(broken)
         return self.pool.submit(fn, model, dense, sparse, config)
 
@@ -371,10 +417,24 @@ def test_a_forward_split_into_parts_on_threads_scores_as_the_whole_batch(parser,
     and in order, are the whole forward's."""
 
     rng = np.random.default_rng(5)
-    reqs = [body({"instances": [instance(rng.normal(size=5).round(3).tolist(),
-                                         **{f"feature_{k}": rng.integers(0, 20, rng.integers(0, 4)).tolist()
-                                            for k in range(3) if rng.random() < 0.8})
-                                for _ in range(n)]}) for n in (3, 1, 4, 2)]
+    reqs = [
+        body(
+            {
+                "instances": [
+                    instance(
+                        rng.normal(size=5).round(3).tolist(),
+                        **{
+                            f"feature_{k}": rng.integers(0, 20, rng.integers(0, 4)).tolist()
+                            for k in range(3)
+                            if rng.random() < 0.8
+                        },
+                    )
+                    for _ in range(n)
+                ]
+            }
+        )
+        for n in (3, 1, 4, 2)
+    ]
     batch, errors = collate([parser.parse(r) for r in reqs], config)
     assert errors == {} and batch.dense.shape[0] == 10
     whole = scores(model, batch, config)

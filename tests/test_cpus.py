@@ -33,15 +33,24 @@ def test_v2_no_quota_is_the_affinity(tmp_path):
 
 
 def test_v2_nested_cgroup_takes_the_smallest_quota_on_the_path(tmp_path):
-    fake = tree(tmp_path, "0::/kubepods/pod1/ctr\n", {
-        "kubepods/cpu.max": "800000 100000", "kubepods/pod1/cpu.max": "300000 100000",
-        "kubepods/pod1/ctr/cpu.max": "max 100000"})
+    fake = tree(
+        tmp_path,
+        "0::/kubepods/pod1/ctr\n",
+        {
+            "kubepods/cpu.max": "800000 100000",
+            "kubepods/pod1/cpu.max": "300000 100000",
+            "kubepods/pod1/ctr/cpu.max": "max 100000",
+        },
+    )
     assert available_cpus(**fake, affinity=set(range(16))) == 3
 
 
 def test_v1_cfs_quota(tmp_path):
-    fake = tree(tmp_path, "12:cpu,cpuacct:/docker/abc\n0::/\n", {
-        "cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "200000", "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000"})
+    fake = tree(
+        tmp_path,
+        "12:cpu,cpuacct:/docker/abc\n0::/\n",
+        {"cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "200000", "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000"},
+    )
     assert available_cpus(**fake, affinity=set(range(32))) == 2
     unlimited = tree(tmp_path / "u", "4:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"})
     assert available_cpus(**unlimited, affinity=set(range(32))) == 32

@@ -24,19 +24,39 @@ from dlrmkit.model import DLRMFactory
 TSV = "text/tab-separated-values"
 ROWS = [7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53] * 2  # 26 small tables, ids folded
 CRITEO = {
-    "num_dense_features": 13, "sparse_features": list(criteo.CAT_NAMES), "num_embeddings": ROWS[:26],
-    "embedding_dim": 4, "dense_arch_layer_sizes": [8, 4], "over_arch_layer_sizes": [8, 1], "seed": 5,
-    "id_overflow": "modulo", "max_instances_per_request": 64, "raw_input": "criteo_tsv", "dense_shift": 5,
+    "num_dense_features": 13,
+    "sparse_features": list(criteo.CAT_NAMES),
+    "num_embeddings": ROWS[:26],
+    "embedding_dim": 4,
+    "dense_arch_layer_sizes": [8, 4],
+    "over_arch_layer_sizes": [8, 1],
+    "seed": 5,
+    "id_overflow": "modulo",
+    "max_instances_per_request": 64,
+    "raw_input": "criteo_tsv",
+    "dense_shift": 5,
 }
 MIN_DENSE = -3  # every file below holds it: tsv_to_npys then shifts by 2 - (-3) = 5
 
 
 def criteo_line(rng: random.Random, label: bool) -> str:
     """A random line: missing fields, upper/lower-case hex, the training minimum, large counts."""
-    dense = [rng.choice(["", "0", str(rng.randint(-3, 30)), str(MIN_DENSE), str(rng.randint(10**6, 2**31 - 10))])
-             for _ in range(13)]
-    cat = [rng.choice(["", format(rng.getrandbits(32), "08x"), format(rng.getrandbits(32), "08X"),
-                       format(rng.getrandbits(62), "x"), "0"]) for _ in range(26)]
+    dense = [
+        rng.choice(["", "0", str(rng.randint(-3, 30)), str(MIN_DENSE), str(rng.randint(10**6, 2**31 - 10))])
+        for _ in range(13)
+    ]
+    cat = [
+        rng.choice(
+            [
+                "",
+                format(rng.getrandbits(32), "08x"),
+                format(rng.getrandbits(32), "08X"),
+                format(rng.getrandbits(62), "x"),
+                "0",
+            ]
+        )
+        for _ in range(26)
+    ]
     return "\t".join(([str(rng.randint(0, 1))] if label else []) + dense + cat)
 
 
@@ -84,7 +104,7 @@ def test_the_transform_is_torchrecs(files):
 
 
 def test_below_the_training_minimum_is_clipped_never_nan():
-    raw = np.array([[-4, -100, -2**31] + [MIN_DENSE] * 10])
+    raw = np.array([[-4, -100, -(2**31)] + [MIN_DENSE] * 10])
     dense, clipped = criteo.dense_features(raw, 2 - MIN_DENSE)
     assert clipped == 3 and np.isfinite(dense).all()
     assert np.array_equal(dense, np.full((1, 13), np.log(np.float32(2)), dtype=np.float32))
@@ -93,23 +113,42 @@ def test_below_the_training_minimum_is_clipped_never_nan():
 GOOD = "\t".join(["1"] * 13 + ["a"] * 26)
 
 
-@pytest.mark.parametrize("body, message", [
-    (GOOD + "\n" + GOOD + "\n" + "\t".join(["1"] * 13 + ["a"] * 7 + ["zz12"] + ["a"] * 18),
-     "line 3, field 21 (cat_7): expected hex digits, got 'zz12'"),
-    ("0\t" + "\t".join(["1"] * 13 + ["a"] * 7 + ["-1f"] + ["a"] * 18), "line 1, field 22 (cat_7): expected hex digits, got '-1f'"),
-    ("\t".join(["1"] * 12 + ["a"] * 26), "line 1: expected 39 tab-separated fields (13 integers, 26 hex ids) or 40 "
-                                        "(the label first), got 38"),
-    (GOOD + "\n\n" + GOOD, "line 2: expected 39 tab-separated fields (13 integers, 26 hex ids) or 40 (the label first), "
-                           "got 1"),
-    ("\t".join(["1.5"] + ["1"] * 12 + ["a"] * 26), "line 1, field 1 (int_0): expected an integer, got '1.5'"),
-    ("\t".join(["1"] * 4 + ["2147483648"] + ["1"] * 8 + ["a"] * 26),
-     "line 1, field 5 (int_4): expected an integer that fits int32 (torchrec's dense dtype), got '2147483648'"),
-    ("\t".join(["1"] * 13 + ["8000000000000000"] + ["a"] * 25),
-     "line 1, field 14 (cat_0): expected a hex id that fits int64 (at most 7fffffffffffffff), got '8000000000000000'"),
-    ("\t".join(["1"] * 13 + ["a"] * 25 + ["é"]), "line 1, field 39 (cat_25): expected hex digits, got 'é'"),
-    ("", "body: expected Criteo TSV lines (39 tab-separated fields, or 40 with the label first), got an empty body"),
-    (GOOD.encode() + b"\n1\t\xff", "line 2, field 2: expected UTF-8 text, got the invalid byte 0xff"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (
+            GOOD + "\n" + GOOD + "\n" + "\t".join(["1"] * 13 + ["a"] * 7 + ["zz12"] + ["a"] * 18),
+            "line 3, field 21 (cat_7): expected hex digits, got 'zz12'",
+        ),
+        (
+            "0\t" + "\t".join(["1"] * 13 + ["a"] * 7 + ["-1f"] + ["a"] * 18),
+            "line 1, field 22 (cat_7): expected hex digits, got '-1f'",
+        ),
+        (
+            "\t".join(["1"] * 12 + ["a"] * 26),
+            "line 1: expected 39 tab-separated fields (13 integers, 26 hex ids) or 40 (the label first), got 38",
+        ),
+        (
+            GOOD + "\n\n" + GOOD,
+            "line 2: expected 39 tab-separated fields (13 integers, 26 hex ids) or 40 (the label first), got 1",
+        ),
+        ("\t".join(["1.5"] + ["1"] * 12 + ["a"] * 26), "line 1, field 1 (int_0): expected an integer, got '1.5'"),
+        (
+            "\t".join(["1"] * 4 + ["2147483648"] + ["1"] * 8 + ["a"] * 26),
+            "line 1, field 5 (int_4): expected an integer that fits int32 (torchrec's dense dtype), got '2147483648'",
+        ),
+        (
+            "\t".join(["1"] * 13 + ["8000000000000000"] + ["a"] * 25),
+            "line 1, field 14 (cat_0): expected a hex id that fits int64 (at most 7fffffffffffffff), got '8000000000000000'",
+        ),
+        ("\t".join(["1"] * 13 + ["a"] * 25 + ["é"]), "line 1, field 39 (cat_25): expected hex digits, got 'é'"),
+        (
+            "",
+            "body: expected Criteo TSV lines (39 tab-separated fields, or 40 with the label first), got an empty body",
+        ),
+        (GOOD.encode() + b"\n1\t\xff", "line 2, field 2: expected UTF-8 text, got the invalid byte 0xff"),
+    ],
+)
 def test_a_bad_line_is_named_by_line_and_field(body, message):
     with pytest.raises(BadRequest) as e:
         criteo.parse(criteo.to_bytes(body))
@@ -150,16 +189,30 @@ def run(handler, bodies, content_types):
 
 def columns(dense: np.ndarray, ids: np.ndarray) -> str:
     """The rows as the JSON columns form (already-transformed features)."""
-    return json.dumps({"columns": {"dense": dense.tolist(),
-                                   "sparse": {f: {"values": ids[:, j].tolist()} for j, f in enumerate(criteo.CAT_NAMES)}}})
+    return json.dumps(
+        {
+            "columns": {
+                "dense": dense.tolist(),
+                "sparse": {f: {"values": ids[:, j].tolist()} for j, f in enumerate(criteo.CAT_NAMES)},
+            }
+        }
+    )
 
 
 def test_a_raw_line_scores_as_its_json_row_and_bad_lines_fail_alone(criteo_handler, files):
     path, dataset, lines = files[0]
     dense, ids = torchrec_rows(path, dataset)
     bad = "\t".join(["1"] * 13 + ["a"] * 7 + ["zz12"] + ["a"] * 18)
-    bodies = ["\n".join(lines[:10]), columns(dense[:10], ids[:10]), lines[10] + "\n" + bad, lines[11] + "\r\n",
-              b"\xff\xfe", "", "\n".join(lines[:65]), files[1][2][0]]
+    bodies = [
+        "\n".join(lines[:10]),
+        columns(dense[:10], ids[:10]),
+        lines[10] + "\n" + bad,
+        lines[11] + "\r\n",
+        b"\xff\xfe",
+        "",
+        "\n".join(lines[:65]),
+        files[1][2][0],
+    ]
     out, ctx = run(criteo_handler, bodies, [TSV, "application/json", TSV, TSV + "; charset=utf-8", TSV, TSV, TSV, TSV])
     raw, as_json = json.loads(out[0])["scores"], json.loads(out[1])["scores"]
     assert len(raw) == 10 and max(abs(a - b) for a, b in zip(raw, as_json)) <= 1e-5
@@ -167,12 +220,18 @@ def test_a_raw_line_scores_as_its_json_row_and_bad_lines_fail_alone(criteo_handl
     assert json.loads(out[2])["message"] == "line 2, field 21 (cat_7): expected hex digits, got 'zz12'"
     single = json.loads(out[3])
     assert 3 not in ctx.statuses and single["scores"] == [single["score"]]
-    assert abs(single["score"] - json.loads(run(criteo_handler, [columns(dense[11:12], ids[11:12])],
-                                                ["application/json"])[0][0])["score"]) <= 1e-5
+    assert (
+        abs(
+            single["score"]
+            - json.loads(run(criteo_handler, [columns(dense[11:12], ids[11:12])], ["application/json"])[0][0])["score"]
+        )
+        <= 1e-5
+    )
     assert json.loads(out[4])["message"] == "line 1, field 1: expected UTF-8 text, got the invalid byte 0xff"
     assert json.loads(out[5])["message"].endswith("got an empty body")
     assert ctx.statuses[6][0] == 413 and json.loads(out[6])["message"] == (
-        "body: at most 64 lines per request (handler.max_instances_per_request), got 65")
+        "body: at most 64 lines per request (handler.max_instances_per_request), got 65"
+    )
     assert 7 not in ctx.statuses  # 39 fields: no label
 
 

@@ -33,9 +33,28 @@ def trained(tmp_path_factory):
     lines = [criteo_line(rng, label=True) for _ in range(1200)]
     lines[5] = "\t".join(["0"] + [str(MIN_DENSE)] * 13 + [""] * 26)  # the training minimum
     (out / "day_0.tsv").write_text("\n".join(lines) + "\n")
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "--out", str(out), "--world-size", "1",
-                    "--tsv", str(out / "day_0.tsv"), "--rows", str(TABLE_ROWS), "--heldout", "200",
-                    "--batch-size", "128", "--seed", "2"], check=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "train.py"),
+            "--out",
+            str(out),
+            "--world-size",
+            "1",
+            "--tsv",
+            str(out / "day_0.tsv"),
+            "--rows",
+            str(TABLE_ROWS),
+            "--heldout",
+            "200",
+            "--batch-size",
+            "128",
+            "--seed",
+            "2",
+        ],
+        check=True,
+        timeout=300,
+    )
     return out
 
 
@@ -44,7 +63,9 @@ def server(trained, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ts-tsv")
     config = tmp / "model-config.yaml"
     ckpt = str(trained / "checkpoint")
-    build_mar.main(["--checkpoint", ckpt, "--fit-dense-shift", str(trained / "day_0.tsv"), "--write-config", str(config)])
+    build_mar.main(
+        ["--checkpoint", ckpt, "--fit-dense-shift", str(trained / "day_0.tsv"), "--write-config", str(config)]
+    )
     doc = yaml.safe_load(config.read_text())
     doc["maxBatchDelay"] = 20  # lets concurrent requests meet in a batch on a busy machine
     config.write_text(yaml.safe_dump(doc))
@@ -53,8 +74,11 @@ def server(trained, tmp_path_factory):
     srv = Server.on_free_ports(tmp / "home", model_store=store)
     try:
         srv.start()
-        srv.wait_ready("dlrm", json.dumps({"dense": [0.0] * 13, "sparse": {"keys": [], "values": [], "lengths": []}})
-                       .encode(), timeout=180)
+        srv.wait_ready(
+            "dlrm",
+            json.dumps({"dense": [0.0] * 13, "sparse": {"keys": [], "values": [], "lengths": []}}).encode(),
+            timeout=180,
+        )
         yield srv, doc
     finally:
         srv.stop()
@@ -62,8 +86,9 @@ def server(trained, tmp_path_factory):
 
 
 def send(srv, body, content_type=TSV):
-    status, out, _ = post(f"{srv.url}/predictions/dlrm", body if isinstance(body, bytes) else body.encode(),
-                          content_type)
+    status, out, _ = post(
+        f"{srv.url}/predictions/dlrm", body if isinstance(body, bytes) else body.encode(), content_type
+    )
     return status, json.loads(out)
 
 
@@ -93,19 +118,29 @@ def test_raw_lines_score_as_torchrecs_rows_sent_as_json_and_bad_lines_fail_alone
     (tmp_path / "day_1.tsv").write_text("\n".join(labelled + ["1\t" + lines[0]]) + "\n")
     (tmp_path / "kaggle_test.tsv").write_text("\n".join(unlabelled) + "\n")
     rows = {}
-    for name, dataset, group in (("day_1.tsv", "criteo_1tb", labelled), ("kaggle_test.tsv", "criteo_kaggle", unlabelled)):
+    for name, dataset, group in (
+        ("day_1.tsv", "criteo_1tb", labelled),
+        ("kaggle_test.tsv", "criteo_kaggle", unlabelled),
+    ):
         dense, ids = torchrec_rows(tmp_path / name, dataset, [TABLE_ROWS] * 26)
         rows.update({line: (dense[i], ids[i]) for i, line in enumerate(group)})
-    bad = {"\t".join(["1"] * 13 + ["a"] * 7 + ["zz12"] + ["a"] * 18):
-           "line 1, field 21 (cat_7): expected hex digits, got 'zz12'",
-           lines[1] + "\n" + "\t".join(["1"] * 12): "line 2: expected 39 tab-separated fields (13 integers, 26 hex "
-                                                    "ids) or 40 (the label first), got 12",
-           "": "body: expected Criteo TSV lines (39 tab-separated fields, or 40 with the label first), got an empty body"}
+    bad = {
+        "\t".join(
+            ["1"] * 13 + ["a"] * 7 + ["zz12"] + ["a"] * 18
+        ): "line 1, field 21 (cat_7): expected hex digits, got 'zz12'",
+        lines[1] + "\n" + "\t".join(["1"] * 12): "line 2: expected 39 tab-separated fields (13 integers, 26 hex "
+        "ids) or 40 (the label first), got 12",
+        "": "body: expected Criteo TSV lines (39 tab-separated fields, or 40 with the label first), got an empty body",
+    }
 
     def as_json(line):
         dense, ids = rows[line]
-        return json.dumps({"dense": dense.tolist(), "sparse": {"keys": [f"cat_{j}" for j in range(26)],
-                                                               "values": ids.tolist(), "lengths": [1] * 26}})
+        return json.dumps(
+            {
+                "dense": dense.tolist(),
+                "sparse": {"keys": [f"cat_{j}" for j in range(26)], "values": ids.tolist(), "lengths": [1] * 26},
+            }
+        )
 
     jobs = [(line, TSV) for line in lines] + [(as_json(line), "application/json") for line in lines]
     jobs += [(b, TSV) for b in bad] * 5 + [("\n".join(lines[:40]), TSV)]

@@ -94,8 +94,11 @@ def test_overlays_render_and_validate(overlay):
 
     docs = render(overlay)
     kinds = sorted(d["kind"] for d in docs)
-    want = {"cpu": ["InferenceService", "ServingRuntime"], "gpu": ["InferenceService", "ServingRuntime"],
-            "plain": ["Deployment", "HorizontalPodAutoscaler", "Service"]}[overlay]
+    want = {
+        "cpu": ["InferenceService", "ServingRuntime"],
+        "gpu": ["InferenceService", "ServingRuntime"],
+        "plain": ["Deployment", "HorizontalPodAutoscaler", "Service"],
+    }[overlay]
     assert kinds == want
     for d in docs:
         if d["apiVersion"].startswith("serving.kserve.io/"):
@@ -125,10 +128,14 @@ def test_sizing_patches_match_the_shipped_config(kind, path):
     from scripts import kserve_deploy
 
     fresh = kserve_deploy.sizing_patch(ROOT / "model-config.yaml", kind)
-    assert (DEPLOY / path).read_text() == fresh, f"regenerate {path}: python scripts/kserve_deploy.py sizing --kind {kind}"
+    assert (DEPLOY / path).read_text() == fresh, (
+        f"regenerate {path}: python scripts/kserve_deploy.py sizing --kind {kind}"
+    )
     startup = yaml.safe_load(fresh)["spec"]
     top = yaml.safe_load((ROOT / "model-config.yaml").read_text())
-    container = startup["predictor"]["model"] if kind == "InferenceService" else startup["template"]["spec"]["containers"][0]
+    container = (
+        startup["predictor"]["model"] if kind == "InferenceService" else startup["template"]["spec"]["containers"][0]
+    )
     probe = container["startupProbe"]
     assert probe["periodSeconds"] * probe["failureThreshold"] >= top["startupTimeout"]
 
@@ -138,8 +145,11 @@ def test_layout_properties_are_what_the_runtime_reads(tmp_path):
 
     config = tmp_path / "c.yaml"
     config.write_text("batchSize: 32\nmaxBatchDelay: 7\nresponseTimeout: 90\nhandler: {}\n")
-    props = dict(line.split("=", 1) for line in kserve_deploy.properties(config, "/mnt/models").splitlines()
-                 if line and not line.startswith("#"))
+    props = dict(
+        line.split("=", 1)
+        for line in kserve_deploy.properties(config, "/mnt/models").splitlines()
+        if line and not line.startswith("#")
+    )
     assert props["enable_envvars_config"] == "true"
     assert props["model_store"] == "/mnt/models/model-store"
     assert props["inference_address"] == "http://0.0.0.0:8085"

@@ -1,6 +1,7 @@
 """The docs (README.md, docs/*.md) against the tree: every repository path they mention exists,
 every relative link resolves, every `make X` is a target, `make help` lists every target, and the
 shell blocks marked `<!-- runnable -->` run and print what the docs show (unit, a few seconds)."""
+
 import os
 import re
 import subprocess
@@ -12,9 +13,25 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 PATH_ENDINGS = (".py", ".yaml", ".yml", ".json", ".md", ".properties", ".sh", ".txt", ".png")
 # Created at run time (make serve, train.py, the docs' own examples), or not paths of this repo.
-NOT_REPO_PATHS = (".venv/", "model_store/", "logs/", ".serve/", "trained/", "checkpoint/", "my-model.yaml", "my-criteo.yaml",
-                  "heldout.json", "verify.jsonl", "build/docker/", "key_file.json", "OUT.yaml", "application/", "text/", "nvidia.com/",
-                  "examples/")
+NOT_REPO_PATHS = (
+    ".venv/",
+    "model_store/",
+    "logs/",
+    ".serve/",
+    "trained/",
+    "checkpoint/",
+    "my-model.yaml",
+    "my-criteo.yaml",
+    "heldout.json",
+    "verify.jsonl",
+    "build/docker/",
+    "key_file.json",
+    "OUT.yaml",
+    "application/",
+    "text/",
+    "nvidia.com/",
+    "examples/",
+)
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 RUNNABLE = re.compile(r"^<!-- runnable -->\n```(?:sh|bash|console)?\n(.*?)^```", re.S | re.M)
 
@@ -46,8 +63,14 @@ def mentioned_paths(text: str) -> list[str]:
     out = []
     for w in words:
         w = w.split("#")[0].lstrip("(\"'").rstrip(".,:;)\"'")
-        if (not w or "://" in w or w.startswith(("/", "-")) or not re.fullmatch(r"[\w.\-/]+", w)
-                or not ("/" in w or w.endswith(PATH_ENDINGS)) or w.startswith(NOT_REPO_PATHS)):
+        if (
+            not w
+            or "://" in w
+            or w.startswith(("/", "-"))
+            or not re.fullmatch(r"[\w.\-/]+", w)
+            or not ("/" in w or w.endswith(PATH_ENDINGS))
+            or w.startswith(NOT_REPO_PATHS)
+        ):
             continue
         out.append(w)
     return out
@@ -66,8 +89,7 @@ def test_every_mentioned_path_exists(doc):
     for w in mentioned_paths(doc.read_text()):
         near = os.path.normpath(f"{here}/{w}") if here != "." else w
         # a bare name or a tail (`seed_single.json`, `base/sizing.yaml`) names a file in context
-        if not ({w, w.rstrip("/"), near, near.rstrip("/")} & paths
-                or any(p.endswith("/" + w) for p in paths)):
+        if not ({w, w.rstrip("/"), near, near.rstrip("/")} & paths or any(p.endswith("/" + w) for p in paths)):
             missing.append(w)
     assert not missing, f"{doc.name} mentions paths that do not exist: {sorted(set(missing))}"
 
@@ -75,8 +97,11 @@ def test_every_mentioned_path_exists(doc):
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_every_relative_link_resolves(doc):
     links = re.findall(r"\]\(([^)\s]+)\)", FENCE.sub("", doc.read_text()))
-    broken = [t for t in links if "://" not in t and not t.startswith(("#", "mailto:"))
-              and not (doc.parent / t.split("#")[0]).exists()]
+    broken = [
+        t
+        for t in links
+        if "://" not in t and not t.startswith(("#", "mailto:")) and not (doc.parent / t.split("#")[0]).exists()
+    ]
     assert not broken, f"{doc.name}: broken links {broken}"
 
 
@@ -87,8 +112,9 @@ def test_every_make_target_mentioned_exists(doc):
 
 
 def test_make_help_lists_every_target():
-    out = subprocess.run(["make", "--no-print-directory", "help"], cwd=ROOT, capture_output=True,
-                         text=True, check=True, timeout=60).stdout
+    out = subprocess.run(
+        ["make", "--no-print-directory", "help"], cwd=ROOT, capture_output=True, text=True, check=True, timeout=60
+    ).stdout
     listed = {line.split()[0] for line in out.splitlines() if line.strip()}
     targets = makefile_targets() - {"FORCE"}
     assert targets, "no targets parsed from the Makefile"
@@ -97,8 +123,11 @@ def test_make_help_lists_every_target():
 
 
 def runnable_blocks():
-    return [pytest.param(block, id=f"{doc.name}:{i}")
-            for doc in DOCS for i, block in enumerate(RUNNABLE.findall(doc.read_text()))]
+    return [
+        pytest.param(block, id=f"{doc.name}:{i}")
+        for doc in DOCS
+        for i, block in enumerate(RUNNABLE.findall(doc.read_text()))
+    ]
 
 
 @pytest.mark.parametrize("block", runnable_blocks())

@@ -107,7 +107,7 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
     def visit(node: str, path: list[str]) -> None:
         if node in path:
-            found.append([*path[path.index(node):], node])
+            found.append([*path[path.index(node) :], node])
             return
         if node in done:
             return

@@ -53,8 +53,12 @@ def test_bad_requests_fail_alone_and_good_ones_keep_their_scores(handler):
     out, ctx = call(handler, batch)
     assert len(out) == len(batch)
     assert json.loads(out[0]) == solo[0] and json.loads(out[3]) == solo[1]
-    assert ctx.statuses == {1: (400, "Bad Request"), 2: (400, "Bad Request"), 4: (413, "Payload Too Large"),
-                            5: (400, "Bad Request")}
+    assert ctx.statuses == {
+        1: (400, "Bad Request"),
+        2: (400, "Bad Request"),
+        4: (413, "Payload Too Large"),
+        5: (400, "Bad Request"),
+    }
     errors = {i: json.loads(out[i]) for i in ctx.statuses}
     assert errors[1]["code"] == 400 and errors[1]["type"] == "BadRequest" and errors[1]["message"].startswith("body:")
     assert errors[2]["message"].startswith("sparse.values[0]: id 20 is out of range")
@@ -92,8 +96,11 @@ def test_server_side_failure_fails_the_batch_with_5xx(handler):
 
     good = body(instance(DENSE, feature_0=[1]))
     real_model, want = handler.model, call(handler, [good])[0]
-    for exc, code in [(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried... out of memory"), 507),
-                      (MemoryError(), 507), (RuntimeError("bad kernel"), 500)]:
+    for exc, code in [
+        (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried... out of memory"), 507),
+        (MemoryError(), 507),
+        (RuntimeError("bad kernel"), 500),
+    ]:
         handler.model = Boom(exc)
         with pytest.raises(PredictionException) as info:
             call(handler, [good])
@@ -142,8 +149,9 @@ def test_build_script_makes_a_mar_with_manifest(tmp_path, model, weights):
 
     config = tmp_path / "tiny.yaml"
     config.write_text(json.dumps({"batchSize": 4, "handler": TINY}))  # JSON is YAML
-    mar = build_mar.main(["--config", str(config), "--output-dir", str(tmp_path / "store"),
-                          "--checkpoint", str(weights)])
+    mar = build_mar.main(
+        ["--config", str(config), "--output-dir", str(tmp_path / "store"), "--checkpoint", str(weights)]
+    )
     with zipfile.ZipFile(mar) as z:
         manifest = json.loads(z.read("MAR-INF/MANIFEST.json"))
         names = set(z.namelist())
@@ -151,9 +159,20 @@ def test_build_script_makes_a_mar_with_manifest(tmp_path, model, weights):
     assert manifest["model"]["handler"] == "dlrm_handler.py"
     assert manifest["model"]["serializedFile"] == "dlrm.pt"
     assert manifest["model"]["configFile"] == "tiny.yaml"
-    assert {"dlrm_handler.py", "dlrmkit/model.py", "dlrmkit/batch.py", "dlrmkit/config.py", "dlrmkit/errors.py",
-            "dlrmkit/request.py", "dlrmkit/schema.py", "dlrmkit/forms.py", "dlrmkit/protocols.py", "dlrmkit/criteo.py",
-            "tiny.yaml", "dlrm.pt"} <= names
+    assert {
+        "dlrm_handler.py",
+        "dlrmkit/model.py",
+        "dlrmkit/batch.py",
+        "dlrmkit/config.py",
+        "dlrmkit/errors.py",
+        "dlrmkit/request.py",
+        "dlrmkit/schema.py",
+        "dlrmkit/forms.py",
+        "dlrmkit/protocols.py",
+        "dlrmkit/criteo.py",
+        "tiny.yaml",
+        "dlrm.pt",
+    } <= names
     archived = torch.load(tmp_path / "x" / "dlrm.pt", weights_only=True)
     for k, v in model.state_dict().items():  # tables as the fused kernel's rows: the fp32 bytes
         assert torch.equal(archived[k].view(v.dtype), v), k
@@ -196,8 +215,10 @@ def test_large_batch_rows_is_refused_by_name_pointing_to_split_rows(tmp_path, ar
     every host and is gone: a config that still sets it fails at load, naming the key and what to set."""
     from dlrm_handler import TorchRecDLRMHandler
 
-    message = ("handler.large_batch_rows: removed; use handler.split_rows (a large forward as parts at once, "
-               "docs/model-config.md)")
+    message = (
+        "handler.large_batch_rows: removed; use handler.split_rows (a large forward as parts at once, "
+        "docs/model-config.md)"
+    )
     for value in (256, 0):
         with pytest.raises(ConfigError) as info:
             DLRMConfig.from_dict({**TINY, "large_batch_rows": value})
@@ -208,8 +229,9 @@ def test_large_batch_rows_is_refused_by_name_pointing_to_split_rows(tmp_path, ar
     assert str(info.value) == message
 
 
-def test_a_forward_of_more_than_split_rows_runs_as_parts_on_the_workers_threads(tmp_path, archived, monkeypatch,
-                                                                                caplog):
+def test_a_forward_of_more_than_split_rows_runs_as_parts_on_the_workers_threads(
+    tmp_path, archived, monkeypatch, caplog
+):
     """handler.split_rows: with CPUs for more than one part (3 here, one torch thread each), a batch
     of more rows than that runs as parts at once on the handler's pool; a smaller one whole; the
     scores are the whole forward's. With one CPU it says so."""
@@ -248,8 +270,11 @@ def test_a_forward_of_more_than_split_rows_runs_as_parts_on_the_workers_threads(
         one.initialize(FakeContext(tmp_path, section))
     assert one.split_pool is None
     assert "handler.split_rows 2: nothing to split onto (1 CPU(s), 1 torch thread(s) per part)" in caplog.text
-    with pytest.raises(ConfigError, match=r"handler.split_rows: expected 0 \(never\) or a positive number of rows, "
-                                          r"got -1 \(e.g. split_rows: 350\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"handler.split_rows: expected 0 \(never\) or a positive number of rows, "
+        r"got -1 \(e.g. split_rows: 350\)",
+    ):
         TorchRecDLRMHandler().initialize(FakeContext(tmp_path, {**section, "split_rows": -1}))
 
 
@@ -314,7 +339,8 @@ frontend.close()
 retrieve_msg(worker)
 """
     env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}  # conftest, helpers; the kit is installed
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                         env=env)
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "serving" in run.stdout and run.stdout.rstrip().endswith("closed: False True True"), run.stdout

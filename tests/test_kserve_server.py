@@ -24,8 +24,10 @@ pytestmark = pytest.mark.integration
 BATCH_DELAY_MS = 1500  # long: a burst of concurrent requests lands in one batch
 DENSE_ROWS = np.array([[0.5, -1.0, 0.25, 2.0, 0.0], [1.0, 0.0, -0.5, 0.125, 3.0]], dtype=np.float32)
 # The same two rows per protocol: row 0 {f0: [3, 4], f1: [7]}, row 1 {f0: [5], f2: [1]}.
-ROWS = [instance(DENSE_ROWS[0].tolist(), feature_0=[3, 4], feature_1=[7]),
-        instance(DENSE_ROWS[1].tolist(), feature_0=[5], feature_2=[1])]
+ROWS = [
+    instance(DENSE_ROWS[0].tolist(), feature_0=[3, 4], feature_1=[7]),
+    instance(DENSE_ROWS[1].tolist(), feature_0=[5], feature_2=[1]),
+]
 V2_JSON = {
     "id": "req-42",
     "inputs": [
@@ -63,8 +65,18 @@ def server(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("kserve")
     config = tmp / "model-config.yaml"
-    config.write_text(yaml.safe_dump({"minWorkers": 1, "maxWorkers": 1, "batchSize": 16,
-                                      "maxBatchDelay": BATCH_DELAY_MS, "responseTimeout": 60, "handler": TINY}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "minWorkers": 1,
+                "maxWorkers": 1,
+                "batchSize": 16,
+                "maxBatchDelay": BATCH_DELAY_MS,
+                "responseTimeout": 60,
+                "handler": TINY,
+            }
+        )
+    )
     mount = tmp / "models"  # stands for /mnt/models
     kserve_deploy.main(["layout", "--out", str(mount), "--config", str(config), "--mount", str(mount)])
     props = mount / "config" / "config.properties"
@@ -76,9 +88,15 @@ def server(tmp_path_factory):
     srv.log_dir.mkdir(parents=True, exist_ok=True)
     try:
         with open(srv.log_dir / "torchserve.out", "ab") as out:
-            subprocess.run([str(BIN / "torchserve"), "--start", f"--model-store={mount}/model-store",
-                            f"--ts-config={props}"], check=True, cwd=srv.home, env=env,
-                           stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            subprocess.run(
+                [str(BIN / "torchserve"), "--start", f"--model-store={mount}/model-store", f"--ts-config={props}"],
+                check=True,
+                cwd=srv.home,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         srv.wait_ready("dlrm", json.dumps(ROWS[0]).encode(), timeout=120)
         yield srv
     finally:
@@ -110,14 +128,23 @@ def triton(srv, binary: bool, rows=DENSE_ROWS, f0=F0):
     import tritonclient.http as httpclient
 
     client = httpclient.InferenceServerClient(srv.url.removeprefix("http://"), network_timeout=60)
-    tensors = {"dense": rows, "feature_0.lengths": f0[0], "feature_0.values": f0[1],
-               "feature_1.lengths": np.array([1, 0], np.int32), "feature_1.values": np.array([7], np.int32),
-               "feature_2.lengths": np.array([0, 1]), "feature_2.values": np.array([1])}
+    tensors = {
+        "dense": rows,
+        "feature_0.lengths": f0[0],
+        "feature_0.values": f0[1],
+        "feature_1.lengths": np.array([1, 0], np.int32),
+        "feature_1.values": np.array([7], np.int32),
+        "feature_2.lengths": np.array([0, 1]),
+        "feature_2.values": np.array([1]),
+    }
     inputs = []
     for name, arr in tensors.items():
         arr = np.asarray(arr, dtype=np.float32 if name == "dense" else arr.dtype)
-        t = httpclient.InferInput(name, list(arr.shape), "FP32" if arr.dtype == np.float32 else
-                                  ("INT32" if arr.dtype == np.int32 else "INT64"))
+        t = httpclient.InferInput(
+            name,
+            list(arr.shape),
+            "FP32" if arr.dtype == np.float32 else ("INT32" if arr.dtype == np.int32 else "INT64"),
+        )
         t.set_data_from_numpy(arr, binary_data=binary)
         inputs.append(t)
     outputs = [httpclient.InferRequestedOutput("scores", binary_data=binary)]
@@ -149,8 +176,10 @@ def test_every_protocol_shares_one_batch_and_gets_the_reference_scores(server, g
         "triton_binary": lambda: triton(server, binary=True),
         "triton_json": lambda: triton(server, binary=False),
         "kserve_sdk": lambda: kserve_sdk(server),
-        "grpc": lambda: stub.Predictions(pb.PredictionsRequest(
-            model_name="dlrm", input={"data": json.dumps({"instances": ROWS}).encode()}), timeout=60),
+        "grpc": lambda: stub.Predictions(
+            pb.PredictionsRequest(model_name="dlrm", input={"data": json.dumps({"instances": ROWS}).encode()}),
+            timeout=60,
+        ),
     }
     results, errors = {}, {}
 
@@ -204,20 +233,25 @@ def test_malformed_requests_of_each_protocol_get_their_own_errors(server, grpc_s
     stub, pb = grpc_stub
     nan_rows = DENSE_ROWS.copy()
     nan_rows[1, 2] = np.nan
-    bad_v2 = {**V2_JSON, "inputs": V2_JSON["inputs"][:1] + [
-        {"name": "feature_9", "datatype": "INT64", "shape": [2], "data": [1, 2]}]}
+    bad_v2 = {
+        **V2_JSON,
+        "inputs": V2_JSON["inputs"][:1] + [{"name": "feature_9", "datatype": "INT64", "shape": [2], "data": [1, 2]}],
+    }
     short = json.dumps(instance([1, 2])).encode()
     calls = {
         "predictions": lambda: rest(server, "/predictions/dlrm", short),
-        "v1": lambda: rest(server, "/v1/models/dlrm:predict", json.dumps({"instances": [ROWS[0], instance([])]}).encode()),
+        "v1": lambda: rest(
+            server, "/v1/models/dlrm:predict", json.dumps({"instances": [ROWS[0], instance([])]}).encode()
+        ),
         "v1_no_instances": lambda: rest(server, "/v1/models/dlrm:predict", json.dumps(ROWS[0]).encode()),
         "v2_json": lambda: rest(server, "/v2/models/dlrm/infer", json.dumps(bad_v2).encode()),
         "triton_nan": lambda: triton(server, binary=True, rows=nan_rows),
         "triton_lengths": lambda: triton(server, binary=True, f0=(np.array([2, 2]), np.array([3, 4, 5]))),
         "triton_range": lambda: triton(server, binary=True, f0=(np.array([2, 1]), np.array([3, 4, 25]))),
         "kserve_sdk": lambda: kserve_sdk(server, bad_v2),
-        "grpc": lambda: stub.Predictions.with_call(pb.PredictionsRequest(
-            model_name="dlrm", input={"data": short}), timeout=60),
+        "grpc": lambda: stub.Predictions.with_call(
+            pb.PredictionsRequest(model_name="dlrm", input={"data": short}), timeout=60
+        ),
         "good": lambda: rest(server, "/v1/models/dlrm:predict", json.dumps({"instances": ROWS}).encode()),
     }
     results = {}
@@ -236,7 +270,10 @@ def test_malformed_requests_of_each_protocol_get_their_own_errors(server, grpc_s
 
     status, raw, _ = results["predictions"]
     assert status == 400 and json.loads(raw) == {
-        "code": 400, "type": "BadRequest", "message": "dense: expected 5 numbers, got 2"}
+        "code": 400,
+        "type": "BadRequest",
+        "message": "dense: expected 5 numbers, got 2",
+    }
     status, raw, hdrs = results["v1"]
     assert status == 400 and hdrs["content-type"] == "application/json"
     assert json.loads(raw) == {"error": "instances[1].dense: expected 5 numbers, got 0"}
@@ -244,9 +281,11 @@ def test_malformed_requests_of_each_protocol_get_their_own_errors(server, grpc_s
     assert status == 400 and json.loads(raw)["error"].startswith("instances: required field is missing")
     status, raw, _ = results["v2_json"]
     assert status == 400 and json.loads(raw)["error"].startswith("feature_9: unknown input")
-    for name, want in (("triton_nan", "dense: expected finite FP32 numbers, got nan at [1, 2]"),
-                       ("triton_lengths", "feature_0.values: expected sum(feature_0.lengths) = 4 ids, got shape [3]"),
-                       ("triton_range", "feature_0.values[2]: id 25 is out of range for feature 'feature_0'")):
+    for name, want in (
+        ("triton_nan", "dense: expected finite FP32 numbers, got nan at [1, 2]"),
+        ("triton_lengths", "feature_0.values: expected sum(feature_0.lengths) = 4 ids, got shape [3]"),
+        ("triton_range", "feature_0.values[2]: id 25 is out of range for feature 'feature_0'"),
+    ):
         err = results[name]
         assert isinstance(err, InferenceServerException), (name, err)
         assert err.status() == "400" and err.message().startswith(want), (name, err.message())
@@ -255,8 +294,11 @@ def test_malformed_requests_of_each_protocol_get_their_own_errors(server, grpc_s
     # gRPC: TorchServe 0.12 maps no handler status to gRPC: the call is OK, the error is the body.
     response, call = results["grpc"]
     assert call.code().name == "OK"
-    assert json.loads(response.prediction) == {"code": 400, "type": "BadRequest",
-                                               "message": "dense: expected 5 numbers, got 2"}
+    assert json.loads(response.prediction) == {
+        "code": 400,
+        "type": "BadRequest",
+        "message": "dense: expected 5 numbers, got 2",
+    }
     status, raw, _ = results["good"]
     assert status == 200 and len(json.loads(raw)["predictions"]) == 2
 
@@ -264,17 +306,28 @@ def test_malformed_requests_of_each_protocol_get_their_own_errors(server, grpc_s
 def test_binary_answer_only_when_asked(server, reference):
     """A v2 body with binary inputs but no binary output request gets JSON scores back."""
     raw = DENSE_ROWS.astype("<f4").tobytes()
-    header = json.dumps({"inputs": [{"name": "dense", "datatype": "FP32", "shape": [2, 5],
-                                     "parameters": {"binary_data_size": len(raw)}}]}).encode()
-    status, body, hdrs = rest(server, "/v2/models/dlrm/infer", header + raw,
-                              {"Inference-Header-Content-Length": str(len(header)),
-                               "Content-Type": "application/octet-stream"})
+    header = json.dumps(
+        {
+            "inputs": [
+                {"name": "dense", "datatype": "FP32", "shape": [2, 5], "parameters": {"binary_data_size": len(raw)}}
+            ]
+        }
+    ).encode()
+    status, body, hdrs = rest(
+        server,
+        "/v2/models/dlrm/infer",
+        header + raw,
+        {"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"},
+    )
     assert status == 200 and hdrs["content-type"] == "application/json", body
     assert json.loads(body)["outputs"][0]["shape"] == [2, 1]
     header2 = json.dumps({"inputs": json.loads(header)["inputs"], "parameters": {"binary_data_output": True}}).encode()
-    status, body, hdrs = rest(server, "/v2/models/dlrm/infer", header2 + raw,
-                              {"Inference-Header-Content-Length": str(len(header2)),
-                               "Content-Type": "application/octet-stream"})
+    status, body, hdrs = rest(
+        server,
+        "/v2/models/dlrm/infer",
+        header2 + raw,
+        {"Inference-Header-Content-Length": str(len(header2)), "Content-Type": "application/octet-stream"},
+    )
     n = int(hdrs["inference-header-content-length"])
     assert status == 200 and hdrs["content-type"] == "application/octet-stream"
     assert np.frombuffer(body[n:], "<f4").shape == (2,)
@@ -289,7 +342,11 @@ def test_tritonclient_single_hot_request_is_read_whole_and_scores_as_its_rows(se
     from dlrmkit.forms import RequestParser
     from dlrmkit.protocols import _INFER, _binary_single_hot
 
-    tensors = {"dense": DENSE_ROWS, "feature_2": np.array([1, 0], np.int64), "feature_0": np.array([[3], [5]], np.int64)}
+    tensors = {
+        "dense": DENSE_ROWS,
+        "feature_2": np.array([1, 0], np.int64),
+        "feature_0": np.array([[3], [5]], np.int64),
+    }
     inputs = []
     for name, arr in tensors.items():
         t = httpclient.InferInput(name, list(arr.shape), "FP32" if name == "dense" else "INT64")
@@ -302,8 +359,10 @@ def test_tritonclient_single_hot_request_is_read_whole_and_scores_as_its_rows(se
         got = client.infer("dlrm", inputs).as_numpy("scores")[:, 0]
     finally:
         client.close()
-    rows = [instance(DENSE_ROWS[0].tolist(), feature_0=[3], feature_2=[1]),
-            instance(DENSE_ROWS[1].tolist(), feature_0=[5], feature_2=[0])]
+    rows = [
+        instance(DENSE_ROWS[0].tolist(), feature_0=[3], feature_2=[1]),
+        instance(DENSE_ROWS[1].tolist(), feature_0=[5], feature_2=[0]),
+    ]
     status, raw, _ = rest(server, "/predictions/dlrm", json.dumps({"instances": rows}).encode())
     want = json.loads(raw)["scores"]
     assert status == 200 and len(set(want)) == 2

@@ -22,7 +22,10 @@ from dlrmkit.model import DLRMFactory
         ({"num_embeddings": [20, -1, 5]}, "handler.num_embeddings[1]: expected a positive integer, got -1"),
         ({"sparse_features": []}, "handler.sparse_features: expected a non-empty list of ASCII names"),
         ({"sparse_features": ["a", "a", "b"]}, "handler.sparse_features: 'a' appears twice"),
-        ({"dense_arch_layer_sizes": [16, 4]}, "handler.dense_arch_layer_sizes: the last size must equal embedding_dim (8)"),
+        (
+            {"dense_arch_layer_sizes": [16, 4]},
+            "handler.dense_arch_layer_sizes: the last size must equal embedding_dim (8)",
+        ),
         ({"over_arch_layer_sizes": [16, 2]}, "handler.over_arch_layer_sizes: expected at least two sizes ending in 1"),
         ({"over_arch_layer_sizes": [1]}, "handler.over_arch_layer_sizes: expected at least two sizes ending in 1"),
         ({"pooling": "max"}, "handler.pooling: expected one of sum, mean, got 'max'"),
@@ -53,7 +56,11 @@ def test_shipped_configs_are_valid():
     assert seed.num_dense_features == 5
     assert seed.sparse_features == ("feature_0", "feature_1", "feature_2")
     assert min(seed.num_embeddings) >= 1000
-    assert seed.requests.id_overflow == "error" and seed.requests.max_instances_per_request <= 4096 and seed.requests.max_ids_per_request <= 65536
+    assert (
+        seed.requests.id_overflow == "error"
+        and seed.requests.max_instances_per_request <= 4096
+        and seed.requests.max_ids_per_request <= 65536
+    )
     criteo = DLRMConfig.from_yaml(ROOT / "model-config.criteo.yaml")
     from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
 
@@ -67,7 +74,9 @@ def test_shipped_configs_are_valid():
 def test_factory_builds_the_configured_shapes(model, config):
     tables = model.sparse_arch.embedding_bag_collection.embedding_bags
     assert {name: tuple(t.weight.shape) for name, t in tables.items()} == {
-        "feature_0": (20, 8), "feature_1": (30, 8), "feature_2": (40, 8),
+        "feature_0": (20, 8),
+        "feature_1": (30, 8),
+        "feature_2": (40, 8),
     }
     linears = [m for m in model.dense_arch.modules() if isinstance(m, torch.nn.Linear)]
     assert [(m.in_features, m.out_features) for m in linears] == [(5, 16), (16, 8)]
@@ -132,8 +141,16 @@ def test_mean_pooling_config_builds_and_differs(model):
 
 
 def test_repo_layout_has_the_user_files():
-    for name in ["dlrm_handler.py", "dlrmkit/model.py", "model-config.yaml", "config.properties",
-                 "README.md", "pyproject.toml", "Makefile", ".ci/run"]:
+    for name in [
+        "dlrm_handler.py",
+        "dlrmkit/model.py",
+        "model-config.yaml",
+        "config.properties",
+        "README.md",
+        "pyproject.toml",
+        "Makefile",
+        ".ci/run",
+    ]:
         assert (ROOT / name).is_file(), name
     assert Path(ROOT / "sample_requests").is_dir()
 

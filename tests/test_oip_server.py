@@ -40,16 +40,30 @@ def server(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("oip")
     config = tmp / "model-config.yaml"
-    config.write_text(yaml.safe_dump({"minWorkers": 1, "maxWorkers": 1, "batchSize": 8, "maxBatchDelay": 20,
-                                      "responseTimeout": 60, "handler": TINY}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "minWorkers": 1,
+                "maxWorkers": 1,
+                "batchSize": 8,
+                "maxBatchDelay": 20,
+                "responseTimeout": 60,
+                "handler": TINY,
+            }
+        )
+    )
     build_mar.main(["--config", str(config), "--output-dir", str(tmp / "store"), "--force"])
     # TorchServe's own OIP mode on too: its gRPC service is then up, for the gRPC test below.
-    srv = Server.on_free_ports(tmp / "home", model_store=tmp / "store",
-                               overrides={"ts_open_inference_protocol": "true"})
+    srv = Server.on_free_ports(
+        tmp / "home", model_store=tmp / "store", overrides={"ts_open_inference_protocol": "true"}
+    )
     try:
         srv.start()
-        srv.wait_ready("dlrm", json.dumps({"dense": [0.0] * F, "sparse": {"keys": [], "values": [],
-                                                                          "lengths": []}}).encode(), timeout=120)
+        srv.wait_ready(
+            "dlrm",
+            json.dumps({"dense": [0.0] * F, "sparse": {"keys": [], "values": [], "lengths": []}}).encode(),
+            timeout=120,
+        )
         yield srv
     finally:
         srv.stop()
@@ -88,21 +102,28 @@ def test_server_live_ready_and_metadata(server):
 
 def test_model_metadata_ready_and_config_from_the_archive(server):
     client = triton(server)
-    expected_inputs = ([{"name": "dense", "datatype": "FP32", "shape": [-1, F]}]
-                       + [{"name": f, "datatype": "INT64", "shape": [-1]} for f in TINY["sparse_features"]])
+    expected_inputs = [{"name": "dense", "datatype": "FP32", "shape": [-1, F]}] + [
+        {"name": f, "datatype": "INT64", "shape": [-1]} for f in TINY["sparse_features"]
+    ]
     outputs = [{"name": "scores", "datatype": "FP32", "shape": [-1, 1]}]
     for version in ("", "1.0"):
         assert client.is_model_ready("dlrm", version)
         meta = client.get_model_metadata("dlrm", version)
-        assert meta == {"name": "dlrm", "versions": ["1.0"], "platform": "pytorch_torchserve",
-                        "inputs": expected_inputs, "outputs": outputs}
+        assert meta == {
+            "name": "dlrm",
+            "versions": ["1.0"],
+            "platform": "pytorch_torchserve",
+            "inputs": expected_inputs,
+            "outputs": outputs,
+        }
     assert sdk(server, "is_model_ready", "dlrm") is True
     config = client.get_model_config("dlrm")
     assert config["max_batch_size"] == TINY["max_instances_per_request"]
     assert config["dynamic_batching"] == {"max_queue_delay_microseconds": 20_000}
     assert config["parameters"]["torchserve_batch_size"] == {"string_value": "8"}
-    assert [(i["name"], i["data_type"], i["dims"]) for i in config["input"]] == \
-        [("dense", "TYPE_FP32", [F])] + [(f, "TYPE_INT64", [1]) for f in TINY["sparse_features"]]
+    assert [(i["name"], i["data_type"], i["dims"]) for i in config["input"]] == [("dense", "TYPE_FP32", [F])] + [
+        (f, "TYPE_INT64", [1]) for f in TINY["sparse_features"]
+    ]
     assert config["output"] == [{"name": "scores", "data_type": "TYPE_FP32", "dims": [1]}]
 
 
@@ -115,8 +136,11 @@ def test_infer_built_from_the_metadata_alone_scores_as_predictions(server):
     rows, inputs, arrays = 3, [], {}
     for spec in meta["inputs"]:  # only what the metadata says: names, datatypes, shapes
         shape = [rows if d == -1 else d for d in spec["shape"]]
-        arr = (rng.normal(size=shape).astype(np.float32) if spec["datatype"] == "FP32"
-               else rng.integers(0, 20, size=shape, dtype=np.int64))
+        arr = (
+            rng.normal(size=shape).astype(np.float32)
+            if spec["datatype"] == "FP32"
+            else rng.integers(0, 20, size=shape, dtype=np.int64)
+        )
         arrays[spec["name"]] = arr
         t = httpclient.InferInput(spec["name"], shape, spec["datatype"])
         t.set_data_from_numpy(arr, binary_data=True)
@@ -125,17 +149,28 @@ def test_infer_built_from_the_metadata_alone_scores_as_predictions(server):
     v2 = out.as_numpy(meta["outputs"][0]["name"]).reshape(-1)
 
     features = [s["name"] for s in meta["inputs"] if s["name"] != "dense"]
-    seed = [{"dense": arrays["dense"][r].tolist(),
-             "sparse": {"keys": features, "values": [int(arrays[f][r]) for f in features],
-                        "lengths": [1] * len(features)}} for r in range(rows)]
-    predicted = [json.loads(post(server.url + "/predictions/dlrm", json.dumps(s).encode())[1])["scores"][0]
-                 for s in seed]
+    seed = [
+        {
+            "dense": arrays["dense"][r].tolist(),
+            "sparse": {
+                "keys": features,
+                "values": [int(arrays[f][r]) for f in features],
+                "lengths": [1] * len(features),
+            },
+        }
+        for r in range(rows)
+    ]
+    predicted = [
+        json.loads(post(server.url + "/predictions/dlrm", json.dumps(s).encode())[1])["scores"][0] for s in seed
+    ]
     np.testing.assert_allclose(v2, predicted, rtol=1e-6)
 
     from kserve import InferInput, InferRequest
 
-    req = InferRequest("dlrm", [InferInput(n, list(a.shape), "FP32" if a.dtype == np.float32 else "INT64", a)
-                                for n, a in arrays.items()])
+    req = InferRequest(
+        "dlrm",
+        [InferInput(n, list(a.shape), "FP32" if a.dtype == np.float32 else "INT64", a) for n, a in arrays.items()],
+    )
     res = sdk(server, "infer", req, "dlrm")
     np.testing.assert_allclose(np.asarray(res.outputs[0].data, dtype=np.float32), predicted, rtol=1e-6)
 
@@ -169,15 +204,23 @@ def test_readiness_follows_the_workers(server):
     assert sdk(server, "is_model_ready", "dlrm") is True
 
 
-@pytest.mark.parametrize("path, method, code", [
-    ("/v2/models/nope", "GET", 404), ("/v2/models/nope/ready", "GET", 404),
-    ("/v2/models/dlrm/versions/9.9", "GET", 404), ("/v2/models/dlrm/versions/9.9/ready", "GET", 404),
-    ("/v2/models/nope/config", "GET", 404), ("/v2/models/nope/infer", "POST", 404),
-    ("/v2/models/dlrm/versions/9.9/infer", "POST", 404), ("/v2/nothing", "GET", 404),
-    ("/v2/models/dlrm/infer", "GET", 405), ("/v2/models/dlrm/ready", "POST", 405),
-])
+@pytest.mark.parametrize(
+    "path, method, code",
+    [
+        ("/v2/models/nope", "GET", 404),
+        ("/v2/models/nope/ready", "GET", 404),
+        ("/v2/models/dlrm/versions/9.9", "GET", 404),
+        ("/v2/models/dlrm/versions/9.9/ready", "GET", 404),
+        ("/v2/models/nope/config", "GET", 404),
+        ("/v2/models/nope/infer", "POST", 404),
+        ("/v2/models/dlrm/versions/9.9/infer", "POST", 404),
+        ("/v2/nothing", "GET", 404),
+        ("/v2/models/dlrm/infer", "GET", 405),
+        ("/v2/models/dlrm/ready", "POST", 405),
+    ],
+)
 def test_unknown_model_version_or_path_gets_an_error_body(server, path, method, code):
-    status, body, _ = (get(server.url + path) if method == "GET" else post(server.url + path, b"{}"))
+    status, body, _ = get(server.url + path) if method == "GET" else post(server.url + path, b"{}")
     assert status == code
     answer = json.loads(body)
     assert list(answer) == ["error"] and answer["error"]

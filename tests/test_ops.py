@@ -31,11 +31,11 @@ def modulo_handler(tmp_path, archived):
 
 def mixed_batch() -> list[bytes]:
     return [
-        body(instance(DENSE, feature_0=[1, 2])),                               # 1 row
-        b"{not json",                                                          # BadRequest
+        body(instance(DENSE, feature_0=[1, 2])),  # 1 row
+        b"{not json",  # BadRequest
         body({"instances": [instance(DENSE, feature_1=[3]), instance(DENSE)]}),  # 2 rows
-        body({"instances": [instance(DENSE)] * 9}),                            # PayloadTooLarge (max 8)
-        body(instance(DENSE, feature_0=[20])),                                 # id out of range: BadRequest
+        body({"instances": [instance(DENSE)] * 9}),  # PayloadTooLarge (max 8)
+        body(instance(DENSE, feature_0=[20])),  # id out of range: BadRequest
     ]
 
 
@@ -56,8 +56,10 @@ def test_handler_counts_batches_requests_instances_and_rejections(handler):
 
 def test_handler_counts_remapped_ids_with_modulo(modulo_handler):
     # tables of 20, 30, 40 rows: 20 -> 0, 45 -> 5 and 99 -> 19 are folded; 19 and 39 are not
-    out, ctx = call(modulo_handler, [body(instance(DENSE, feature_0=[20, 19, 99], feature_2=[45, 39])),
-                                     body(instance(DENSE, feature_1=[29]))])
+    out, ctx = call(
+        modulo_handler,
+        [body(instance(DENSE, feature_0=[20, 19, 99], feature_2=[45, 39])), body(instance(DENSE, feature_1=[29]))],
+    )
     assert [json.loads(o).get("code") for o in out] == [None, None]
     assert ctx.metrics.total("dlrm_remapped_ids_total") == 3
     assert ctx.metrics.total("dlrm_instances_total") == 2
@@ -100,8 +102,15 @@ def test_every_metric_the_handler_sends_is_declared_with_its_dimensions(modulo_h
         assert name in declared, f"{name} is not declared in metrics.yaml"
         assert kind.lower() == declared[name][0], name
         assert [d.split(":")[0] for d in dims.split(",")] == declared[name][1], name
-    want = {"HandlerTime", "dlrm_batches_total", "dlrm_requests_total", "dlrm_instances_total",
-            "dlrm_rejected_requests_total", "dlrm_remapped_ids_total", *PHASES}
+    want = {
+        "HandlerTime",
+        "dlrm_batches_total",
+        "dlrm_requests_total",
+        "dlrm_instances_total",
+        "dlrm_rejected_requests_total",
+        "dlrm_remapped_ids_total",
+        *PHASES,
+    }
     assert set(emitted) == want
     # with modulo, the out-of-range id of mixed_batch() is folded too: 5 rows, 2 ids remapped
     assert emitted["dlrm_requests_total"] == [6] and emitted["dlrm_instances_total"] == [5]
@@ -112,8 +121,13 @@ def test_client_request_id_is_echoed_and_rejections_are_logged_without_headers(h
     secret = "Bearer s3cr3t-t0ken"
     ctx = FakeContext(Path("."), dict(TINY))
     ctx.request_ids = {i: f"ts-{i}" for i in range(5)}
-    ids = {0: {"X-Request-Id": "trace-0"}, 1: {"x-request-id": "trace-1"}, 2: {"X-Request-Id": "has space"},
-           3: {"X-Request-Id": "x" * 129}, 4: {}}
+    ids = {
+        0: {"X-Request-Id": "trace-0"},
+        1: {"x-request-id": "trace-1"},
+        2: {"X-Request-Id": "has space"},
+        3: {"X-Request-Id": "x" * 129},
+        4: {},
+    }
     ctx.headers = {i: {**h, "Authorization": secret} for i, h in ids.items()}
     good, bad = body(instance(DENSE, feature_0=[1])), b"{"
     with caplog.at_level(logging.INFO, logger="dlrm_handler"):

@@ -57,8 +57,13 @@ def default_version(srv) -> str:
 
 def test_custom_metrics_appear_in_prometheus_text(server):
     before = settled(server)
-    sent = [GOOD, body({"instances": [instance([0] * 5)] * 3}), b"{", OUT_OF_RANGE,
-            body({"instances": [instance([0] * 5)] * 4097})]
+    sent = [
+        GOOD,
+        body({"instances": [instance([0] * 5)] * 3}),
+        b"{",
+        OUT_OF_RANGE,
+        body({"instances": [instance([0] * 5)] * 4097}),
+    ]
     statuses = [predict(server, raw)[0] for raw in sent]  # one at a time: one batch each
     assert statuses == [200, 200, 400, 400, 413]
     delta = wait_for(server, {"dlrm_batches_total": 5, "dlrm_rejected_requests_total[PayloadTooLarge]": 1}, before)
@@ -86,8 +91,10 @@ def test_rejections_are_logged_with_both_request_ids_and_client_ids_are_echoed(s
     log = server.log_dir / "model_log.log"
     text = wait_until(log.read_text, lambda t: f"rejected request {ts_id}" in t)
     line = next(ln for ln in text.splitlines() if f"rejected request {ts_id}" in ln)
-    assert line.endswith(f"rejected request {ts_id} client trace-7f3a (400): body: expected a JSON object, "
-                         "got malformed JSON (input data was truncated)")
+    assert line.endswith(
+        f"rejected request {ts_id} client trace-7f3a (400): body: expected a JSON object, "
+        "got malformed JSON (input data was truncated)"
+    )
     assert server.token("inference") not in log.read_text()
 
 
@@ -181,8 +188,11 @@ def test_rollout_to_a_broken_archive_fails_cleanly(server, tmp_path, capsys):
         assert rollout.main(["--home", str(server.home), "--archive", archive, "--timeout", "120"]) == 1, why
         err = capsys.readouterr().err
         assert f"dlrm {serving} is still serving" in err, (why, err)
-        assert ("register dlrm-unloadable.mar: its worker failed to start: dlrmkit.errors.ConfigError: "
-                if why == "unloadable" else "verify 3.0: the probe got HTTP 400") in err, (why, err)
+        assert (
+            "register dlrm-unloadable.mar: its worker failed to start: dlrmkit.errors.ConfigError: "
+            if why == "unloadable"
+            else "verify 3.0: the probe got HTTP 400"
+        ) in err, (why, err)
         assert versions(server) == before, why  # nothing half-registered is left behind
         assert default_version(server) == serving
         assert predict(server, GOOD)[0] == 200

@@ -29,11 +29,17 @@ LOGIT_TOL = {"fp16": 0.02, "int8": 0.1, "int4": 1.5}
 
 # --- config -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("change,message", [
-    ({"embedding_dtype": "int16"}, "handler.embedding_dtype: expected one of fp32, fp16, int8, int4, got 'int16'"),
-    ({"embedding_dtype": "int4", "embedding_dim": 7, "dense_arch_layer_sizes": [16, 7]},
-     "handler.embedding_dtype: int4 packs two values per byte and needs an even embedding_dim, got 7"),
-])
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"embedding_dtype": "int16"}, "handler.embedding_dtype: expected one of fp32, fp16, int8, int4, got 'int16'"),
+        (
+            {"embedding_dtype": "int4", "embedding_dim": 7, "dense_arch_layer_sizes": [16, 7]},
+            "handler.embedding_dtype: int4 packs two values per byte and needs an even embedding_dim, got 7",
+        ),
+    ],
+)
 def test_embedding_dtype_errors_name_the_key(change, message):
     with pytest.raises(ConfigError) as info:
         DLRMConfig.from_dict({**TINY, **change})
@@ -46,6 +52,7 @@ def test_embedding_dtype_defaults_to_fp32():
 
 
 # --- quantized archives -----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", QUANTIZED)
 def test_quantized_archive_loads_exactly_torchrec_quantized_model(tmp_path, model, dtype):
@@ -74,8 +81,11 @@ def test_fp32_tables_run_in_the_fused_kernel_and_score_as_nn_embedding_bag(tmp_p
 def test_an_archive_from_before_the_fused_kernel_is_refused_naming_its_first_table(tmp_path, model):
     """fp32 tables archived as nn.EmbeddingBag weights (built before fp32 went through the fused
     kernel) no longer load: the error names the first table and says to build the archive again."""
-    with pytest.raises(ConfigError, match=r"^checkpoint: table 'feature_0' holds float32 values, handler.embedding_dtype "
-                       r"fp32 stores uint8; build the archive with this config"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^checkpoint: table 'feature_0' holds float32 values, handler.embedding_dtype "
+        r"fp32 stores uint8; build the archive with this config",
+    ):
         DLRMFactory(tiny_config()).load(_unfused_fp32(tmp_path, model))
 
 
@@ -122,8 +132,9 @@ def test_build_mar_quantizes_a_checkpoint(tmp_path, model, weights):
     doc = yaml.safe_load((ROOT / "model-config.yaml").read_text())
     doc["handler"] = {**TINY, "embedding_dtype": "int8"}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(doc))
-    mar = build_mar.main(["--config", str(tmp_path / "cfg.yaml"), "--checkpoint", str(weights),
-                          "--output-dir", str(tmp_path / "store")])
+    mar = build_mar.main(
+        ["--config", str(tmp_path / "cfg.yaml"), "--checkpoint", str(weights), "--output-dir", str(tmp_path / "store")]
+    )
     with zipfile.ZipFile(mar) as z:
         z.extract("dlrm.pt", tmp_path / "x")
         assert "dlrmkit/scale.py" in z.namelist()
@@ -135,6 +146,7 @@ def test_build_mar_quantizes_a_checkpoint(tmp_path, model, weights):
 
 
 # --- sharding on CPU "devices" ----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype,world", [(d, w) for d in ["int8", "fp16", "int4", "fp32"] for w in [1, 2, 4]])
 def test_cpu_sharding_places_every_table_and_matches_unsharded(tmp_path, model, dtype, world):
@@ -173,6 +185,7 @@ def _unfused_fp32(tmp_path, model) -> Path:
 
 # --- the id check holds for every layout ------------------------------------------------------
 
+
 class Recorder(torch.nn.Module):
     """Counts the rows that reach the model."""
 
@@ -207,10 +220,10 @@ def layout_handler(request, tmp_path, model):
 def test_out_of_range_ids_get_400_and_never_reach_the_model(layout_handler):
     h, section = layout_handler
     bad = [
-        body(instance(DENSE, feature_0=[20])),            # == rows: a silent row 0 / padding read
+        body(instance(DENSE, feature_0=[20])),  # == rows: a silent row 0 / padding read
         body(instance(DENSE, feature_2=[1, 40])),
         body(instance(DENSE, feature_1=[10**12])),
-        body(instance(DENSE, feature_0=[-1])),             # -1: a silent zero vector in fbgemm
+        body(instance(DENSE, feature_0=[-1])),  # -1: a silent zero vector in fbgemm
         body({"instances": [instance(DENSE, feature_0=[1]), instance(DENSE, feature_1=[30])]}),
     ]
     out, ctx = call(h, bad, section)
@@ -232,21 +245,26 @@ def test_good_rows_score_next_to_bad_ones_on_every_layout(layout_handler):
 
 # --- devices ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("gpu_id,yaml,count,env,want", [
-    (None, {}, 0, {}, ["cpu"]),
-    (0, {}, 0, {}, ["cpu"]),                                   # TorchServe thinks GPU, no CUDA here
-    (None, {"parallelType": "custom", "parallelLevel": 2}, 4, {}, ["cpu"]),  # no GPU assigned
-    (1, {}, 4, {}, ["cuda:1"]),                                # one GPU per worker: no sharding
-    (2, {"parallelType": "custom", "parallelLevel": 2}, 2, {"CUDA_VISIBLE_DEVICES": "2,3"}, ["cuda:0", "cuda:1"]),
-    (0, {"parallelType": "custom", "parallelLevel": 4}, 2, {"CUDA_VISIBLE_DEVICES": "0,1"}, ["cuda:0", "cuda:1"]),
-    (0, {"parallelType": "custom", "parallelLevel": 1}, 1, {"CUDA_VISIBLE_DEVICES": "5"}, ["cuda:0"]),
-    (0, {"parallelType": "pp", "parallelLevel": 2}, 2, {}, ["cuda:0"]),  # torchrun types: one device per rank
-])
+
+@pytest.mark.parametrize(
+    "gpu_id,yaml,count,env,want",
+    [
+        (None, {}, 0, {}, ["cpu"]),
+        (0, {}, 0, {}, ["cpu"]),  # TorchServe thinks GPU, no CUDA here
+        (None, {"parallelType": "custom", "parallelLevel": 2}, 4, {}, ["cpu"]),  # no GPU assigned
+        (1, {}, 4, {}, ["cuda:1"]),  # one GPU per worker: no sharding
+        (2, {"parallelType": "custom", "parallelLevel": 2}, 2, {"CUDA_VISIBLE_DEVICES": "2,3"}, ["cuda:0", "cuda:1"]),
+        (0, {"parallelType": "custom", "parallelLevel": 4}, 2, {"CUDA_VISIBLE_DEVICES": "0,1"}, ["cuda:0", "cuda:1"]),
+        (0, {"parallelType": "custom", "parallelLevel": 1}, 1, {"CUDA_VISIBLE_DEVICES": "5"}, ["cuda:0"]),
+        (0, {"parallelType": "pp", "parallelLevel": 2}, 2, {}, ["cuda:0"]),  # torchrun types: one device per rank
+    ],
+)
 def test_worker_devices(gpu_id, yaml, count, env, want):
     assert [str(d) for d in worker_devices(gpu_id, yaml, count, env)] == want
 
 
 # --- sizing -----------------------------------------------------------------------------------
+
 
 def test_table_bytes_match_what_the_kernels_allocate():
     from dlrmkit.scale import quant_ebc
@@ -265,12 +283,23 @@ def test_table_bytes_match_what_the_kernels_allocate():
 
 def test_sizing_script(tmp_path):
     out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "sizing.py"), "--config", str(ROOT / "model-config.criteo.yaml"),
-         "--memory", "8GiB", "--json"], check=True, capture_output=True, text=True,
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "sizing.py"),
+            "--config",
+            str(ROOT / "model-config.criteo.yaml"),
+            "--memory",
+            "8GiB",
+            "--json",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     report = json.loads(out)
     assert report["dtypes"]["fp32"]["table_bytes"] == sum(
-        r * 64 * 4 for r in DLRMConfig.from_yaml(ROOT / "model-config.criteo.yaml").num_embeddings)
+        r * 64 * 4 for r in DLRMConfig.from_yaml(ROOT / "model-config.criteo.yaml").num_embeddings
+    )
     assert report["dtypes"]["int8"]["table_bytes"] < report["dtypes"]["fp32"]["table_bytes"] / 3
     for d in report["dtypes"].values():
         assert d["workers_shared"] >= d["workers_unshared"] >= 1
@@ -305,19 +334,30 @@ def test_ten_million_row_int8_table_is_served_without_its_fp32_copy(tmp_path):
     section = {**TINY, "num_embeddings": [rows, 30, 40], "embedding_dtype": "int8"}
     cfg = DLRMConfig.from_dict(section)
     # The build (in a child, so its fp32 tables never count here) writes the int8 archive.
-    subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import sys, json, torch
         from dlrmkit.config import DLRMConfig
         from dlrmkit.model import DLRMFactory
         f = DLRMFactory(DLRMConfig.from_dict(json.loads({json.dumps(section)!r})))
         torch.save(f.archive_state(f.random()), {str(tmp_path / "dlrm.pt")!r})
-    """)], check=True)
+    """),
+        ],
+        check=True,
+    )
     fp32_table = rows * cfg.embedding_dim * 4
     int8_table = table_bytes(rows, cfg.embedding_dim, "int8")
     assert (tmp_path / "dlrm.pt").stat().st_size >= int8_table
-    res = subprocess.run([sys.executable, "-c", SERVE_BIG, str(ROOT), str(tmp_path), json.dumps(section)],
-                         check=True, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})  # conftest; the kit is installed
+    res = subprocess.run(
+        [sys.executable, "-c", SERVE_BIG, str(ROOT), str(tmp_path), json.dumps(section)],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "tests")},
+    )  # conftest; the kit is installed
     report = json.loads(res.stdout.strip().splitlines()[-1])
     assert report["statuses"] == {"1": 400}
     assert 0 < report["out"][0]["score"] < 1
@@ -328,6 +368,7 @@ def test_ten_million_row_int8_table_is_served_without_its_fp32_copy(tmp_path):
 
 
 # --- GPU (skipped without CUDA; run: .venv/bin/python -m pytest -q -m gpu) ------------------------
+
 
 def gpus(n: int):
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -373,8 +414,9 @@ def test_handler_given_two_gpus_shards_and_still_checks_ids(tmp_path, model):
     h = TorchRecDLRMHandler()
     h.initialize(ctx)
     assert set(map(str, sharded_placement(h.model).values())) == {"cuda:0", "cuda:1"}
-    out, c = call(h, [body(instance(DENSE, feature_0=[20])), body(instance(DENSE, feature_0=[19], feature_2=[39]))],
-                  section)
+    out, c = call(
+        h, [body(instance(DENSE, feature_0=[20])), body(instance(DENSE, feature_0=[19], feature_2=[39]))], section
+    )
     assert c.statuses == {0: (400, "Bad Request")} and 0 < json.loads(out[1])["score"] < 1
 
 

@@ -39,8 +39,11 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ts-scale")
     build(tmp, "int8", minWorkers=2, maxWorkers=2)
     build(tmp, "fp16")
-    srv = Server.on_free_ports(tmp / "home", model_store=tmp / "store",
-                               overrides={"load_models": "dlrm_int8=dlrm_int8.mar,dlrm_fp16=dlrm_fp16.mar"})
+    srv = Server.on_free_ports(
+        tmp / "home",
+        model_store=tmp / "store",
+        overrides={"load_models": "dlrm_int8=dlrm_int8.mar,dlrm_fp16=dlrm_fp16.mar"},
+    )
     try:
         srv.start()
         for dtype in TOL:
@@ -53,8 +56,11 @@ def server(tmp_path_factory):
 def test_quantized_models_answer_close_to_fp32(server):
     config = DLRMConfig.from_yaml(ROOT / "model-config.yaml")
     fp32 = DLRMFactory(config).random()
-    raws = [SAMPLE, (ROOT / "sample_requests" / "seed_multi_hot.json").read_bytes(),
-            (ROOT / "sample_requests" / "instances.json").read_bytes()]
+    raws = [
+        SAMPLE,
+        (ROOT / "sample_requests" / "seed_multi_hot.json").read_bytes(),
+        (ROOT / "sample_requests" / "instances.json").read_bytes(),
+    ]
     for raw in raws:
         want = scores(fp32, collate([RequestParser(config).parse(raw)], config)[0], config)[0]
         for dtype, tol in TOL.items():
@@ -78,8 +84,11 @@ def test_two_workers_map_one_archive_file(server):
     assert len(pids) == 2
 
     def mapped(pid):
-        return {line.split(maxsplit=5)[5] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
-                if line.rstrip().endswith("/dlrm.pt")}
+        return {
+            line.split(maxsplit=5)[5]
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+            if line.rstrip().endswith("/dlrm.pt")
+        }
 
     files = wait_until(lambda: [mapped(p) for p in pids], lambda f: all(f), timeout=60)
     assert files[0] and files[0] == files[1], files  # one file, the page cache holds it once

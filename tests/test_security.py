@@ -44,8 +44,7 @@ def test_handler_never_logs_headers():
 @pytest.mark.integration
 def test_token_authorization_on_a_real_server(tmp_path):
     store = build_archive(tmp_path)
-    srv = Server.on_free_ports(tmp_path / "home", properties=ROOT / "config.production.properties",
-                               model_store=store)
+    srv = Server.on_free_ports(tmp_path / "home", properties=ROOT / "config.production.properties", model_store=store)
     try:
         srv.start()
         sample = (SAMPLES / "seed_single.json").read_bytes()

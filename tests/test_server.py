@@ -67,8 +67,10 @@ def random_request(rng: random.Random) -> dict:
 
     def one():
         keys = rng.sample(["feature_0", "feature_1", "feature_2"], rng.randint(0, 3))
-        return instance([round(rng.uniform(-2, 2), 3) for _ in range(5)],
-                        **{k: [rng.randrange(1000) for _ in range(rng.randint(0, 4))] for k in keys})
+        return instance(
+            [round(rng.uniform(-2, 2), 3) for _ in range(5)],
+            **{k: [rng.randrange(1000) for _ in range(rng.randint(0, 4))] for k in keys},
+        )
 
     return one() if rng.random() < 0.6 else {"instances": [one() for _ in range(rng.randint(1, 5))]}
 
@@ -91,13 +93,17 @@ def test_sample_requests_answer(server):
 def test_ranking_form_scores_as_the_same_instances(server):
     ranking = json.loads((SAMPLES / "ranking.json").read_bytes())
     ctx = ranking["context"]
-    rows = [{"dense": ctx["dense"], "sparse": {k: ctx["sparse"][k] + c["sparse"][k] for k in ("keys", "values", "lengths")}}
-            for c in ranking["candidates"]]
+    rows = [
+        {"dense": ctx["dense"], "sparse": {k: ctx["sparse"][k] + c["sparse"][k] for k in ("keys", "values", "lengths")}}
+        for c in ranking["candidates"]
+    ]
     status, got, _ = predict(server, (SAMPLES / "ranking.json").read_bytes())
     assert status == 200 and len(got["scores"]) == 3
     assert got == predict(server, json.dumps({"instances": rows}).encode())[1]
     status, answer, _ = predict(server, (SAMPLES / "malformed" / "ranking_feature_twice.json").read_bytes())
-    assert status == 400 and answer["message"].startswith('candidates[0].sparse.keys[0]: feature "feature_1" is also in')
+    assert status == 400 and answer["message"].startswith(
+        'candidates[0].sparse.keys[0]: feature "feature_1" is also in'
+    )
 
 
 def test_columns_form_scores_as_the_same_instances(server):
@@ -105,20 +111,32 @@ def test_columns_form_scores_as_the_same_instances(server):
     lengths) over HTTP, concurrently with its rows sent as instances."""
     cols = json.loads((SAMPLES / "columns.json").read_bytes())
     ctx, sparse = cols["context"], cols["columns"]["sparse"]
-    rows = [{"dense": ctx["dense"], "sparse": {"keys": ["feature_0", "feature_1", "feature_2"],
-                                              "values": ctx["sparse"]["values"] + [sparse["feature_1"]["values"][i]] + f2,
-                                              "lengths": [2, 1, len(f2)]}}
-            for i, f2 in enumerate([[4], [6, 9]])]
+    rows = [
+        {
+            "dense": ctx["dense"],
+            "sparse": {
+                "keys": ["feature_0", "feature_1", "feature_2"],
+                "values": ctx["sparse"]["values"] + [sparse["feature_1"]["values"][i]] + f2,
+                "lengths": [2, 1, len(f2)],
+            },
+        }
+        for i, f2 in enumerate([[4], [6, 9]])
+    ]
     with ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(lambda raw: predict(server, raw), [(SAMPLES / "columns.json").read_bytes(),
-                                                                    json.dumps({"instances": rows}).encode()] * 4))
+        answers = list(
+            pool.map(
+                lambda raw: predict(server, raw),
+                [(SAMPLES / "columns.json").read_bytes(), json.dumps({"instances": rows}).encode()] * 4,
+            )
+        )
     assert {a[0] for a in answers} == {200}
     want = answers[1][1]["scores"]  # batches differ: equal to 1e-5, as any request's scores
     assert all(a[1]["scores"] == pytest.approx(want, abs=1e-5) for a in answers) and len(set(want)) == 2
     bad = dict(cols, columns={"sparse": {"feature_2": {"values": [4, 6], "lengths": [1, 2]}}})
     status, answer, _ = predict(server, json.dumps(bad).encode())
-    assert status == 400 and answer["message"] == ("columns.sparse.feature_2.values: expected "
-                                                   "sum(columns.sparse.feature_2.lengths) = 3 ids, got 2")
+    assert status == 400 and answer["message"] == (
+        "columns.sparse.feature_2.values: expected sum(columns.sparse.feature_2.lengths) = 3 ids, got 2"
+    )
 
 
 def test_any_content_type_carrying_json_works(server):
@@ -151,20 +169,31 @@ def test_bad_requests_in_a_batch_fail_alone_and_the_worker_survives(server):
     solo = [predict(server, g)[1] for g in good]
     bad = [
         (b"{", 400, "body:"),
-        ('{"dense":[1,2,3,4,5],"sparse":{"keys":["féature_0"],"values":[1],"lengths":[1]}}'.encode(), 400,
-         "sparse.keys[0]:"),
-        (b'{"dense":[1,2,3,4,5],"sparse":{"keys":["feature_0"],"values":[1000],"lengths":[1]}}', 400,
-         "sparse.values[0]: id 1000 is out of range"),
+        (
+            '{"dense":[1,2,3,4,5],"sparse":{"keys":["féature_0"],"values":[1],"lengths":[1]}}'.encode(),
+            400,
+            "sparse.keys[0]:",
+        ),
+        (
+            b'{"dense":[1,2,3,4,5],"sparse":{"keys":["feature_0"],"values":[1000],"lengths":[1]}}',
+            400,
+            "sparse.values[0]: id 1000 is out of range",
+        ),
         (b"[" * 200_000, 400, "body:"),
-        (b'{"dense":[1,2,3,4,5],"sparse":{"keys":["feature_0"],"values":[1],"lengths":[true]}}', 400,
-         "sparse.lengths[0]:"),
+        (
+            b'{"dense":[1,2,3,4,5],"sparse":{"keys":["feature_0"],"values":[1],"lengths":[true]}}',
+            400,
+            "sparse.lengths[0]:",
+        ),
         (json.dumps({"instances": [instance([0] * 5)] * 4097}).encode(), 413, "instances:"),
-        (b'\xff\xfe{', 400, "body:"),
+        (b"\xff\xfe{", 400, "body:"),
     ]
     mixed = [(g, 200, s) for g, s in zip(good, solo)] + bad
     rng.shuffle(mixed)
     with ThreadPoolExecutor(16) as pool:
-        answers, batches = batches_for(server, lambda: list(pool.map(lambda m: predict(server, m[0]), mixed)), len(mixed))
+        answers, batches = batches_for(
+            server, lambda: list(pool.map(lambda m: predict(server, m[0]), mixed)), len(mixed)
+        )
     assert batches < len(mixed), "no two requests shared a TorchServe batch"
     for (raw, want_status, want), (status, answer, headers) in zip(mixed, answers):
         assert status == want_status, (raw[:80], answer)
@@ -180,9 +209,11 @@ def test_management_and_metrics_are_loopback_only_and_model_api_is_store_only(se
     status, body, _ = get(f"{server.management_url}/models/dlrm")
     assert status == 200 and json.loads(body)[0]["modelName"] == "dlrm"
     # The model API is on (scripts/rollout.py) but loads only archives from the model store.
-    for url, why in [("http://127.0.0.1:9/dlrm.mar", "does not match any allowed URL"),
-                     ("file:///etc/dlrm.mar", "does not match any allowed URL"),
-                     ("missing.mar", "Model not found at: missing.mar")]:
+    for url, why in [
+        ("http://127.0.0.1:9/dlrm.mar", "does not match any allowed URL"),
+        ("file:///etc/dlrm.mar", "does not match any allowed URL"),
+        ("missing.mar", "Model not found at: missing.mar"),
+    ]:
         status, body, _ = request("POST", f"{server.management_url}/models?url={url}")
         assert status == 404 and why in json.loads(body)["message"], url
     status, body, _ = get(f"{server.metrics_url}/metrics")

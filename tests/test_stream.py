@@ -30,7 +30,8 @@ def fp32_model(config, source):
     with torch.no_grad():
         for t, name in enumerate(config.sparse_features):
             model.sparse_arch.embedding_bag_collection.embedding_bags[name].weight.copy_(
-                source.rows(t, 0, config.num_embeddings[t]))
+                source.rows(t, 0, config.num_embeddings[t])
+            )
         model.load_state_dict(source.dense(), strict=False)
     return model.eval()
 
@@ -38,8 +39,12 @@ def fp32_model(config, source):
 def assert_same_archive(got, want):
     assert set(got) == set(want)
     for k, v in want.items():
-        assert got[k].dtype == v.dtype and got[k].shape == v.shape and got[k].stride() == v.stride() \
-            and got[k].storage_offset() == v.storage_offset(), k
+        assert (
+            got[k].dtype == v.dtype
+            and got[k].shape == v.shape
+            and got[k].stride() == v.stride()
+            and got[k].storage_offset() == v.storage_offset()
+        ), k
         assert torch.equal(got[k], v), k
 
 
@@ -106,8 +111,9 @@ def test_a_dcp_shard_is_read_from_its_offset_not_whole(tmp_path, model):
     dcp.save({k: v for k, v in model.state_dict().items()}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
     source = stream.CheckpointSource(tmp_path / "ckpt", config, log=lambda _: None)
     # rows 5..11 of feature_1 straight from the .distcp file
-    assert torch.equal(source.rows(1, 5, 7), model.sparse_arch.embedding_bag_collection.embedding_bags["feature_1"]
-                       .weight[5:12])
+    assert torch.equal(
+        source.rows(1, 5, 7), model.sparse_arch.embedding_bag_collection.embedding_bags["feature_1"].weight[5:12]
+    )
     (shards,) = [v for k, v in source._shards.items() if "feature_1" in k]
     assert [s[0:2] for s in shards] == [(0, 30)] and shards[0][2].__qualname__.startswith("_pread_rows")
 
@@ -147,8 +153,9 @@ def test_build_big_writes_a_no_archive_model_directory(tmp_path):
 def test_rows_paged_out_between_requests_come_back_from_disk_with_the_same_scores(tmp_path):
     """The tables are file-backed pages: dropped (madvise + fadvise DONTNEED), the next request
     reads them from the file again (major faults) and scores the same."""
-    config = tiny_config(embedding_dtype="int8", num_embeddings=[40_000, 30, 40], embedding_dim=64,
-                         dense_arch_layer_sizes=[16, 64])
+    config = tiny_config(
+        embedding_dtype="int8", num_embeddings=[40_000, 30, 40], embedding_dim=64, dense_arch_layer_sizes=[16, 64]
+    )
     path = tmp_path / "dlrm.pt"
     stream.write_weights(path, config, stream.RandomSource(config), log=lambda _: None)
     model = DLRMFactory(config).load(path)
@@ -173,13 +180,14 @@ def test_rows_paged_out_between_requests_come_back_from_disk_with_the_same_score
 
 # --- sizing's rule for memory-mapped tables larger than memory -----------------------------------
 
+
 def test_zipf_mass_and_hot_rows_match_the_brute_force_sums():
     from scripts.sizing import hot_rows, zipf_mass
 
     for s in (0.8, 1.0, 1.05, 1.3):
         exact = [0.0]
         for i in range(1, 50_001):
-            exact.append(exact[-1] + i ** -s)
+            exact.append(exact[-1] + i**-s)
         assert abs(zipf_mass(50_000, s, exact=100) - exact[-1]) < 1e-6 * exact[-1]
         for h in (0.3, 0.8, 0.95):
             k = hot_rows(50_000, s, h)
@@ -207,8 +215,9 @@ def test_sizing_no_longer_says_zero_workers_for_the_full_dlrmv2_at_int8(capsys):
 
     from conftest import ROOT
 
-    rep = sizing.main(["--config", str(ROOT / "model-config.dlrmv2.yaml"), "--memory", "24GiB", "--cpus", "2",
-                       "--json"])
+    rep = sizing.main(
+        ["--config", str(ROOT / "model-config.dlrmv2.yaml"), "--memory", "24GiB", "--cpus", "2", "--json"]
+    )
     full = rep["full"]["dtypes"]["int8"]
     assert full["table_bytes"] > 24 * 2**30 and full["workers_shared"] == 0  # the tables do not fit
     assert full["working_set_bytes"] < 24 * 2**30 and full["workers_paged"] >= 1
@@ -232,7 +241,9 @@ def test_a_file_the_commit_limit_refuses_to_map_privately_loads_read_only(tmp_pa
 
     def refuse(f, *a, **kw):
         if kw.get("mmap"):
-            raise RuntimeError(f"unable to mmap {os.path.getsize(f)} bytes from file <{f}>: Cannot allocate memory (12)")
+            raise RuntimeError(
+                f"unable to mmap {os.path.getsize(f)} bytes from file <{f}>: Cannot allocate memory (12)"
+            )
         return real_load(f, *a, **kw)
 
     monkeypatch.setattr(torch, "load", refuse)

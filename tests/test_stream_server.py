@@ -22,8 +22,10 @@ from scripts.tsctl import Server, post
 
 pytestmark = pytest.mark.integration
 
-REQUESTS = [(ROOT / "sample_requests" / name).read_bytes()
-            for name in ("seed_single.json", "seed_multi_hot.json", "instances.json")]
+REQUESTS = [
+    (ROOT / "sample_requests" / name).read_bytes()
+    for name in ("seed_single.json", "seed_multi_hot.json", "instances.json")
+]
 MADV_PAGEOUT = 21
 SYS_PIDFD_OPEN, SYS_PROCESS_MADVISE = 434, 440  # x86_64 and aarch64 share these numbers
 

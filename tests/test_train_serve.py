@@ -29,11 +29,31 @@ TRAINER_ORDER = ["user", "item", "ctx"]  # the trainer's EmbeddingBagConfig orde
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("train")
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "--out", str(out), "--world-size", "2",
-                    "--interaction", "dcn", "--sparse-features", ",".join(TRAINER_ORDER),
-                    "--steps", "120", "--heldout", "600", "--seed", "4",
-                    # Each table split along D over both ranks' files: the import reassembles it.
-                    "--sharding", "column_wise"], check=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "train.py"),
+            "--out",
+            str(out),
+            "--world-size",
+            "2",
+            "--interaction",
+            "dcn",
+            "--sparse-features",
+            ",".join(TRAINER_ORDER),
+            "--steps",
+            "120",
+            "--heldout",
+            "600",
+            "--seed",
+            "4",
+            # Each table split along D over both ranks' files: the import reassembles it.
+            "--sharding",
+            "column_wise",
+        ],
+        check=True,
+        timeout=300,
+    )
     return out
 
 
@@ -41,11 +61,20 @@ def trained(tmp_path_factory):
 def server(trained, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ts")
     config = tmp / "model-config.yaml"
-    build_mar.main(["--checkpoint", str(trained / "checkpoint"), "--write-config", str(config),
-                    "--feature-order", ",".join(TRAINER_ORDER)])
+    build_mar.main(
+        [
+            "--checkpoint",
+            str(trained / "checkpoint"),
+            "--write-config",
+            str(config),
+            "--feature-order",
+            ",".join(TRAINER_ORDER),
+        ]
+    )
     store = tmp / "store"
-    build_mar.main(["--config", str(config), "--checkpoint", str(trained / "checkpoint"), "--force",
-                    "--output-dir", str(store)])
+    build_mar.main(
+        ["--config", str(config), "--checkpoint", str(trained / "checkpoint"), "--force", "--output-dir", str(store)]
+    )
     srv = Server.on_free_ports(tmp / "home", model_store=store)
     rows = json.loads((trained / "heldout.json").read_text())["rows"]
     try:
@@ -90,13 +119,24 @@ def test_write_config_refuses_to_guess_the_order_a_dcp_directory_does_not_keep(t
         f"error: {trained / 'checkpoint'}: a DCP directory does not record the trainer's table order, and its "
         "tables (ctx, item, user) are no numbered sequence (like cat_0 ... cat_25) to read it from. The "
         "interaction reads the embeddings in that order, so any other order serves a plausible, wrong score for "
-        "every row. Name them in the order of the trainer's EmbeddingBagConfig list: --feature-order NAME,NAME,NAME")
+        "every row. Name them in the order of the trainer's EmbeddingBagConfig list: --feature-order NAME,NAME,NAME"
+    )
     assert not (tmp_path / "c.yaml").exists()
     with pytest.raises(SystemExit) as exc:
-        build_mar.main(["--checkpoint", str(trained / "checkpoint"), "--write-config", str(tmp_path / "c.yaml"),
-                        "--feature-order", "user,item,context"])
-    assert exc.value.code == ("error: --feature-order user,item,context does not match the checkpoint's features "
-                              "(ctx, item, user): not in the checkpoint's features: context; missing: ctx")
+        build_mar.main(
+            [
+                "--checkpoint",
+                str(trained / "checkpoint"),
+                "--write-config",
+                str(tmp_path / "c.yaml"),
+                "--feature-order",
+                "user,item,context",
+            ]
+        )
+    assert exc.value.code == (
+        "error: --feature-order user,item,context does not match the checkpoint's features "
+        "(ctx, item, user): not in the checkpoint's features: context; missing: ctx"
+    )
 
 
 def test_verify_proves_the_archive_and_refuses_a_wrong_order(trained, tmp_path, capsys):
@@ -109,21 +149,42 @@ def test_verify_proves_the_archive_and_refuses_a_wrong_order(trained, tmp_path, 
         build_mar.main(["--checkpoint", ckpt, "--write-config", str(config), "--feature-order", ",".join(order)])
     capsys.readouterr()
     store = tmp_path / "store"
-    mar = build_mar.main(["--config", str(tmp_path / "user-item-ctx.yaml"), "--checkpoint", ckpt,
-                          "--verify", str(trained / "verify.jsonl"), "--output-dir", str(store)])
+    mar = build_mar.main(
+        [
+            "--config",
+            str(tmp_path / "user-item-ctx.yaml"),
+            "--checkpoint",
+            ckpt,
+            "--verify",
+            str(trained / "verify.jsonl"),
+            "--output-dir",
+            str(store),
+        ]
+    )
     printed = capsys.readouterr().out
     assert mar.is_file()
     held = json.loads((trained / "heldout.json").read_text())
     line = next(x for x in printed.splitlines() if x.startswith("[verify] "))
-    assert line.startswith(f"[verify] 600 rows in 6 requests of {trained / 'verify.jsonl'} scored by the archive "
-                           "as a worker loads it in "), line
+    assert line.startswith(
+        f"[verify] 600 rows in 6 requests of {trained / 'verify.jsonl'} scored by the archive as a worker loads it in "
+    ), line
     delta = float(line.split("max |served - trainer| ")[1].split(" ")[0])
     assert delta <= 1e-5 and f"AUC served {held['auc']:.6f} vs trainer {held['auc']:.6f}" in line, line
 
     wrong = tmp_path / "wrong"
     with pytest.raises(SystemExit) as exc:
-        build_mar.main(["--config", str(tmp_path / "ctx-item-user.yaml"), "--checkpoint", ckpt,
-                        "--verify", str(trained / "verify.jsonl"), "--output-dir", str(wrong)])
+        build_mar.main(
+            [
+                "--config",
+                str(tmp_path / "ctx-item-user.yaml"),
+                "--checkpoint",
+                ckpt,
+                "--verify",
+                str(trained / "verify.jsonl"),
+                "--output-dir",
+                str(wrong),
+            ]
+        )
     assert exc.value.code.startswith("error: --verify: "), exc.value.code
     over = int(exc.value.code.split("--verify: ")[1].split(" of 600 rows")[0])
     assert over > 300, exc.value.code  # nearly every row moves: the over arch reads the tables in this order
@@ -132,8 +193,19 @@ def test_verify_proves_the_archive_and_refuses_a_wrong_order(trained, tmp_path, 
     # A failed proof never replaces a proven archive of the same name.
     proven = mar.read_bytes()
     with pytest.raises(SystemExit):
-        build_mar.main(["--config", str(tmp_path / "ctx-item-user.yaml"), "--checkpoint", ckpt, "--force",
-                        "--verify", str(trained / "verify.jsonl"), "--output-dir", str(store)])
+        build_mar.main(
+            [
+                "--config",
+                str(tmp_path / "ctx-item-user.yaml"),
+                "--checkpoint",
+                ckpt,
+                "--force",
+                "--verify",
+                str(trained / "verify.jsonl"),
+                "--output-dir",
+                str(store),
+            ]
+        )
     assert mar.read_bytes() == proven
 
 
@@ -149,8 +221,24 @@ def test_every_variant_imports_to_the_trained_models_scores(tmp_path, interactio
     from dlrmkit.config import DLRMConfig
     from dlrmkit.model import DLRMFactory
 
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "--out", str(tmp_path), "--world-size", "1",
-                    "--interaction", interaction, "--steps", "40", "--heldout", "200"], check=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "train.py"),
+            "--out",
+            str(tmp_path),
+            "--world-size",
+            "1",
+            "--interaction",
+            interaction,
+            "--steps",
+            "40",
+            "--heldout",
+            "200",
+        ],
+        check=True,
+        timeout=300,
+    )
     config_path = tmp_path / "model-config.yaml"
     build_mar.main(["--checkpoint", str(tmp_path / "checkpoint"), "--write-config", str(config_path)])
     config = DLRMConfig.from_yaml(config_path)
@@ -159,8 +247,11 @@ def test_every_variant_imports_to_the_trained_models_scores(tmp_path, interactio
     held = json.loads((tmp_path / "heldout.json").read_text())
     dense = torch.tensor([r["dense"] for r in held["rows"]])
     ids = torch.tensor([r["sparse"]["values"] for r in held["rows"]])
-    kjt = KeyedJaggedTensor(keys=held["sparse_features"], values=ids.T.reshape(-1),  # key-major
-                            lengths=torch.ones(ids.numel(), dtype=torch.long))
+    kjt = KeyedJaggedTensor(
+        keys=held["sparse_features"],
+        values=ids.T.reshape(-1),  # key-major
+        lengths=torch.ones(ids.numel(), dtype=torch.long),
+    )
     with torch.no_grad():
         scores = torch.sigmoid(model(dense, kjt).squeeze(1))
     assert torch.allclose(scores, torch.tensor(held["scores"]), atol=1e-5, rtol=0)
@@ -174,33 +265,57 @@ def test_an_int8_dense_half_is_built_under_the_accuracy_contract_and_served(trai
     from dlrmkit import accuracy, dense
 
     config = tmp_path / "int8.yaml"
-    build_mar.main(["--checkpoint", str(trained / "checkpoint"), "--write-config", str(config),
-                    "--feature-order", ",".join(TRAINER_ORDER)])
+    build_mar.main(
+        [
+            "--checkpoint",
+            str(trained / "checkpoint"),
+            "--write-config",
+            str(config),
+            "--feature-order",
+            ",".join(TRAINER_ORDER),
+        ]
+    )
     doc = yaml.safe_load(config.read_text())
     doc["handler"]["dense_precision"] = "int8"
     config.write_text(yaml.safe_dump(doc))
     native = dense.unsupported("int8", dense.cpu_flags()) is None
-    build = ["--config", str(config), "--checkpoint", str(trained / "checkpoint"), "--verify",
-             str(trained / "verify.jsonl")]
+    build = [
+        "--config",
+        str(config),
+        "--checkpoint",
+        str(trained / "checkpoint"),
+        "--verify",
+        str(trained / "verify.jsonl"),
+    ]
     # Every order kept is AUC ratio 1.0: a contract of 1.0 refuses int8 unless it changed nothing.
     with pytest.raises(SystemExit) as refused:
         build_mar.main([*build, "--auc-ratio", "1.0", "--output-dir", str(tmp_path / "strict")])
     assert not (tmp_path / "strict" / "dlrm.mar").exists()
     if native:
-        assert refused.value.code.startswith("error: --verify: dense_precision int8 breaks the accuracy contract: "
-                                             "AUC "), refused.value.code
+        assert refused.value.code.startswith(
+            "error: --verify: dense_precision int8 breaks the accuracy contract: AUC "
+        ), refused.value.code
         assert refused.value.code.endswith("(needs >= 1); serve a higher precision; no archive written")
     else:  # this CPU would verify its fp32 fallback, not int8: refused before anything is built
-        assert refused.value.code.startswith("error: --verify: dense_precision int8 cannot run on this CPU (this CPU "
-                                             "has no amx_int8 or avx512_vnni or avx_vnni"), refused.value.code
+        assert refused.value.code.startswith(
+            "error: --verify: dense_precision int8 cannot run on this CPU (this CPU "
+            "has no amx_int8 or avx512_vnni or avx_vnni"
+        ), refused.value.code
     capsys.readouterr()
     store = tmp_path / "store"
     # Calibrating on the rows the contract is judged on would flatter it: refused.
     with pytest.raises(SystemExit, match="is the --verify file: the contract would be judged on the rows"):
         build_mar.main([*build, "--calibrate", str(trained / "verify.jsonl"), "--output-dir", str(store)])
     # Without the instructions the archive is built unverified (the build says so) and served as fp32.
-    mar = build_mar.main([*(build if native else build[:-2]), "--calibrate", str(trained / "calibration.jsonl"),
-                          "--output-dir", str(store)])
+    mar = build_mar.main(
+        [
+            *(build if native else build[:-2]),
+            "--calibrate",
+            str(trained / "calibration.jsonl"),
+            "--output-dir",
+            str(store),
+        ]
+    )
     printed = capsys.readouterr().out
     assert f"[build] int8 dense half: static activation scales from {trained / 'calibration.jsonl'}" in printed
     if native:
@@ -219,8 +334,9 @@ def test_an_int8_dense_half_is_built_under_the_accuracy_contract_and_served(trai
 
         def score(row):
             # 120 s: on a loaded 2-core host the compiled workers' first batches take seconds
-            status, body, _ = post(f"{srv.url}/predictions/dlrm", json.dumps(row).encode(), "application/json",
-                                   timeout=120)
+            status, body, _ = post(
+                f"{srv.url}/predictions/dlrm", json.dumps(row).encode(), "application/json", timeout=120
+            )
             assert status == 200, body
             return json.loads(body)["score"]
 

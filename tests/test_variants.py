@@ -37,39 +37,68 @@ def models():
 
 # --- config -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("change,message", [
-    ({"interaction": "dnc"},
-     "handler.interaction: expected one of dot, dcn, projection, got 'dnc' (e.g. interaction: dcn)"),
-    ({"interaction": ["dcn"]},
-     "handler.interaction: expected one of dot, dcn, projection, got ['dcn'] (e.g. interaction: dcn)"),
-    ({"interaction": "dcn", "dcn_num_layers": 3},
-     "handler.dcn_low_rank_dim: required with interaction: dcn (e.g. dcn_low_rank_dim: 512)"),
-    ({"interaction": "dcn"}, "handler.dcn_num_layers: required with interaction: dcn (e.g. dcn_num_layers: 3)"),
-    ({"interaction": "projection", "interaction_branch1_layer_sizes": [16]},
-     "handler.interaction_branch2_layer_sizes: required with interaction: projection "
-     "(e.g. interaction_branch2_layer_sizes: [32, 16])"),
-    ({"dcn_num_layers": 3},
-     "handler.dcn_num_layers: only used with interaction: dcn, got interaction: dot "
-     "(drop it, or set interaction: dcn)"),
-    ({**DCN, "interaction_branch1_layer_sizes": [16]},
-     "handler.interaction_branch1_layer_sizes: only used with interaction: projection, got interaction: dcn "
-     "(drop it, or set interaction: projection)"),
-    ({**PROJECTION, "dcn_low_rank_dim": 4},
-     "handler.dcn_low_rank_dim: only used with interaction: dcn, got interaction: projection "
-     "(drop it, or set interaction: dcn)"),
-    ({**DCN, "dcn_num_layers": 0}, "handler.dcn_num_layers: expected a positive integer, got 0 (e.g. dcn_num_layers: 3)"),
-    ({**DCN, "dcn_low_rank_dim": "512"},
-     "handler.dcn_low_rank_dim: expected a positive integer, got '512' (e.g. dcn_low_rank_dim: 512)"),
-    ({**PROJECTION, "interaction_branch1_layer_sizes": [16, 12]},
-     "handler.interaction_branch1_layer_sizes: the last size must be a multiple of embedding_dim (8), "
-     "got [16, 12] (e.g. [32, 16])"),
-    ({**PROJECTION, "interaction_branch2_layer_sizes": []},
-     "handler.interaction_branch2_layer_sizes: expected a list of layer sizes, got [] "
-     "(e.g. interaction_branch2_layer_sizes: [32, 16])"),
-    ({**PROJECTION, "interaction_branch2_layer_sizes": [16, -8]},
-     "handler.interaction_branch2_layer_sizes[1]: expected a positive integer, got -8 "
-     "(e.g. interaction_branch2_layer_sizes: [32, 16])"),
-])
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (
+            {"interaction": "dnc"},
+            "handler.interaction: expected one of dot, dcn, projection, got 'dnc' (e.g. interaction: dcn)",
+        ),
+        (
+            {"interaction": ["dcn"]},
+            "handler.interaction: expected one of dot, dcn, projection, got ['dcn'] (e.g. interaction: dcn)",
+        ),
+        (
+            {"interaction": "dcn", "dcn_num_layers": 3},
+            "handler.dcn_low_rank_dim: required with interaction: dcn (e.g. dcn_low_rank_dim: 512)",
+        ),
+        ({"interaction": "dcn"}, "handler.dcn_num_layers: required with interaction: dcn (e.g. dcn_num_layers: 3)"),
+        (
+            {"interaction": "projection", "interaction_branch1_layer_sizes": [16]},
+            "handler.interaction_branch2_layer_sizes: required with interaction: projection "
+            "(e.g. interaction_branch2_layer_sizes: [32, 16])",
+        ),
+        (
+            {"dcn_num_layers": 3},
+            "handler.dcn_num_layers: only used with interaction: dcn, got interaction: dot "
+            "(drop it, or set interaction: dcn)",
+        ),
+        (
+            {**DCN, "interaction_branch1_layer_sizes": [16]},
+            "handler.interaction_branch1_layer_sizes: only used with interaction: projection, got interaction: dcn "
+            "(drop it, or set interaction: projection)",
+        ),
+        (
+            {**PROJECTION, "dcn_low_rank_dim": 4},
+            "handler.dcn_low_rank_dim: only used with interaction: dcn, got interaction: projection "
+            "(drop it, or set interaction: dcn)",
+        ),
+        (
+            {**DCN, "dcn_num_layers": 0},
+            "handler.dcn_num_layers: expected a positive integer, got 0 (e.g. dcn_num_layers: 3)",
+        ),
+        (
+            {**DCN, "dcn_low_rank_dim": "512"},
+            "handler.dcn_low_rank_dim: expected a positive integer, got '512' (e.g. dcn_low_rank_dim: 512)",
+        ),
+        (
+            {**PROJECTION, "interaction_branch1_layer_sizes": [16, 12]},
+            "handler.interaction_branch1_layer_sizes: the last size must be a multiple of embedding_dim (8), "
+            "got [16, 12] (e.g. [32, 16])",
+        ),
+        (
+            {**PROJECTION, "interaction_branch2_layer_sizes": []},
+            "handler.interaction_branch2_layer_sizes: expected a list of layer sizes, got [] "
+            "(e.g. interaction_branch2_layer_sizes: [32, 16])",
+        ),
+        (
+            {**PROJECTION, "interaction_branch2_layer_sizes": [16, -8]},
+            "handler.interaction_branch2_layer_sizes[1]: expected a positive integer, got -8 "
+            "(e.g. interaction_branch2_layer_sizes: [32, 16])",
+        ),
+    ],
+)
 def test_variant_config_errors_name_the_key_and_a_valid_value(change, message):
     with pytest.raises(ConfigError) as info:
         DLRMConfig.from_dict({**TINY, **change})
@@ -92,11 +121,38 @@ def test_dlrmv2_config_is_mlperf_layout():
     assert c.requests.id_overflow == "modulo" and max(c.num_embeddings) <= 200_000
     sample = json.loads((ROOT / "sample_requests" / "dlrmv2.json").read_text())
     assert sample["sparse"]["keys"] == list(c.sparse_features)
-    assert sample["sparse"]["lengths"] == [3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27,
-                                           10, 3, 1, 1]  # MLPerf DLRMv2's multi-hot bag sizes
+    assert sample["sparse"]["lengths"] == [
+        3,
+        2,
+        1,
+        2,
+        6,
+        1,
+        1,
+        1,
+        1,
+        7,
+        3,
+        8,
+        1,
+        6,
+        9,
+        5,
+        1,
+        1,
+        1,
+        12,
+        100,
+        27,
+        10,
+        3,
+        1,
+        1,
+    ]  # MLPerf DLRMv2's multi-hot bag sizes
 
 
 # --- what the factory builds ------------------------------------------------------------------
+
 
 def linears(module):
     return [(m.in_features, m.out_features) for m in module.modules() if isinstance(m, torch.nn.Linear)]
@@ -132,6 +188,7 @@ def test_only_tables_on_meta_and_dense_parts_on_the_device(interaction):
 
 # --- seeded weights ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("interaction", VARIANTS)
 def test_random_weights_come_from_the_seed_alone(interaction):
     """torchrec's own init draws from the global RNG: a parameter it left would differ here."""
@@ -161,12 +218,15 @@ def test_every_input_moves_the_score(models, interaction):
     for i, name in enumerate(tiny_config().sparse_features):
         lengths = torch.zeros(3, dtype=torch.long)
         lengths[i] = 1
-        scores = {float(forward(model, dense1, type(kjt1)(keys=kjt1.keys(), values=torch.tensor([row]),
-                                                          lengths=lengths))) for row in range(5)}
+        scores = {
+            float(forward(model, dense1, type(kjt1)(keys=kjt1.keys(), values=torch.tensor([row]), lengths=lengths)))
+            for row in range(5)
+        }
         assert len(scores) == 5, (name, scores)  # each of 5 rows of this table scores differently
 
 
 # --- archives: fp32, quantized, zero-copy, sharded --------------------------------------------
+
 
 @pytest.mark.parametrize("interaction", VARIANTS)
 def test_fp32_archive_round_trip_scores_as_in_process(tmp_path, models, interaction):
@@ -195,7 +255,8 @@ def test_archive_of_another_variant_names_the_first_layer_that_does_not_fit(tmp_
         DLRMFactory(cfg("projection", interaction_branch2_layer_sizes=[16])).load(path)
     assert str(info.value).startswith(
         "checkpoint: layer 'inter_arch.interaction_branch2.model._mlp.0._linear.weight' has shape [24, 32], "
-        "the config expects [16, 32]"), info.value
+        "the config expects [16, 32]"
+    ), info.value
 
 
 @pytest.mark.parametrize("interaction", VARIANTS)
@@ -229,9 +290,13 @@ def test_tables_sharded_on_two_cpu_devices_score_as_unsharded(tmp_path, models, 
 
 # --- the handler: batches of mixed requests, a bad one among them -----------------------------
 
+
 def random_instance(rng: random.Random) -> dict:
-    bags = {f: [rng.randrange(rows) for _ in range(rng.randint(0, 3))]
-            for f, rows in zip(TINY["sparse_features"], TINY["num_embeddings"]) if rng.random() < 0.8}
+    bags = {
+        f: [rng.randrange(rows) for _ in range(rng.randint(0, 3))]
+        for f, rows in zip(TINY["sparse_features"], TINY["num_embeddings"])
+        if rng.random() < 0.8
+    }
     return instance([rng.uniform(-2, 2) for _ in range(5)], **bags)
 
 
@@ -248,8 +313,10 @@ def test_handler_batch_scores_each_request_as_alone(tmp_path, models, interactio
     if layout.startswith("sharded"):
         h.model = DLRMFactory(DLRMConfig.from_dict(section)).load(tmp_path / "dlrm.pt", ["cpu", "cpu"])
     rng = random.Random(7)
-    reqs = [body(random_instance(rng)) if i % 3 else body({"instances": [random_instance(rng) for _ in range(3)]})
-            for i in range(8)]
+    reqs = [
+        body(random_instance(rng)) if i % 3 else body({"instances": [random_instance(rng) for _ in range(3)]})
+        for i in range(8)
+    ]
     alone = [json.loads(call(h, [r], section)[0][0])["scores"] for r in reqs]
     bad = body(instance([0.0] * 5, feature_1=[30]))  # == rows: past the table
     out, ctx = call(h, reqs[:4] + [bad] + reqs[4:], section)
@@ -275,21 +342,30 @@ def test_sizing_counts_the_cross_network_and_sizes_the_uncapped_dlrmv2(capsys):
     assert rep["full"]["dtypes"]["fp32"]["table_bytes"] == 204_184_588 * 128 * 4  # MLPerf's 97.4 GiB
     assert [t["rows"] for t in rep["full"]["tables"]][:3] == [40_000_000, 39_060, 17_295]
     assert rep["full"]["dtypes"]["int8"]["table_bytes"] < rep["full"]["dtypes"]["fp32"]["table_bytes"] / 3
-    assert rep["dtypes"]["fp32"]["table_bytes"] == sum(DLRMConfig.from_yaml(
-        ROOT / "model-config.dlrmv2.yaml").num_embeddings) * 128 * 4
+    assert (
+        rep["dtypes"]["fp32"]["table_bytes"]
+        == sum(DLRMConfig.from_yaml(ROOT / "model-config.dlrmv2.yaml").num_embeddings) * 128 * 4
+    )
 
 
-@pytest.mark.parametrize("config,sample", [
-    ("model-config.dlrmv2.yaml", "--sample sample_requests/dlrmv2.json"),
-    ("model-config.criteo.yaml", "--sample sample_requests/criteo.json"),
-    ("model-config.yaml", None),  # serve.py's default, the seed layout's request
-])
+@pytest.mark.parametrize(
+    "config,sample",
+    [
+        ("model-config.dlrmv2.yaml", "--sample sample_requests/dlrmv2.json"),
+        ("model-config.criteo.yaml", "--sample sample_requests/criteo.json"),
+        ("model-config.yaml", None),  # serve.py's default, the seed layout's request
+    ],
+)
 def test_make_probes_each_shipped_config_with_its_own_sample(config, sample):
     import subprocess
 
     for target in ("serve", "ready", "rollout", "rollback"):
-        out = subprocess.run(["make", "-n", "-B", target, f"CONFIG={config}"], cwd=ROOT, check=True,
-                             capture_output=True, text=True).stdout
-        probe = next(line for line in out.splitlines() if "scripts/serve.py start" in line or
-                     "scripts/serve.py ready" in line or "scripts/rollout.py" in line)
+        out = subprocess.run(
+            ["make", "-n", "-B", target, f"CONFIG={config}"], cwd=ROOT, check=True, capture_output=True, text=True
+        ).stdout
+        probe = next(
+            line
+            for line in out.splitlines()
+            if "scripts/serve.py start" in line or "scripts/serve.py ready" in line or "scripts/rollout.py" in line
+        )
         assert (sample in probe) if sample else "--sample" not in probe, (target, probe)

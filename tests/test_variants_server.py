@@ -56,8 +56,9 @@ def served(tmp_path_factory):
         path = build(tmp, name, interaction, dtype)
         config = DLRMConfig.from_yaml(path)
         local[name] = (config, load_archive(config, tmp / "store" / f"{name}.mar", tmp / name), path)
-    srv = Server.on_free_ports(tmp / "home", model_store=tmp / "store",
-                               overrides={"load_models": ",".join(f"{n}={n}.mar" for n in MODELS)})
+    srv = Server.on_free_ports(
+        tmp / "home", model_store=tmp / "store", overrides={"load_models": ",".join(f"{n}={n}.mar" for n in MODELS)}
+    )
     try:
         srv.start()
         for name in MODELS:
@@ -82,10 +83,14 @@ def in_process(config, model, raw: bytes) -> list[float]:
 def random_request(rng: random.Random) -> bytes:
     def one():
         keys = rng.sample(["feature_0", "feature_1", "feature_2"], rng.randint(0, 3))
-        return instance([round(rng.uniform(-2, 2), 3) for _ in range(5)],
-                        **{k: [rng.randrange(1000) for _ in range(rng.randint(0, 4))] for k in keys})
+        return instance(
+            [round(rng.uniform(-2, 2), 3) for _ in range(5)],
+            **{k: [rng.randrange(1000) for _ in range(rng.randint(0, 4))] for k in keys},
+        )
 
-    return json.dumps(one() if rng.random() < 0.6 else {"instances": [one() for _ in range(rng.randint(1, 5))]}).encode()
+    return json.dumps(
+        one() if rng.random() < 0.6 else {"instances": [one() for _ in range(rng.randint(1, 5))]}
+    ).encode()
 
 
 def test_in_process_model_is_the_variant(served):
@@ -100,8 +105,14 @@ def test_concurrent_mixed_requests_to_both_variants_score_as_in_process(served):
     srv, local = served
     rng = random.Random(3)
     good = [(name, random_request(rng), None) for _ in range(20) for name in MODELS]
-    bad = [(name, b'{"dense":[1,2,3,4,5],"sparse":{"keys":["feature_2"],"values":[7, 1000],"lengths":[2]}}',
-            "sparse.values[1]: id 1000 is out of range for feature 'feature_2'") for name in MODELS]
+    bad = [
+        (
+            name,
+            b'{"dense":[1,2,3,4,5],"sparse":{"keys":["feature_2"],"values":[7, 1000],"lengths":[2]}}',
+            "sparse.values[1]: id 1000 is out of range for feature 'feature_2'",
+        )
+        for name in MODELS
+    ]
     bad += [(name, b'{"dense":[1,2,3],"sparse":{"keys":[],"values":[],"lengths":[]}}', "dense:") for name in MODELS]
     mixed = good + bad
     rng.shuffle(mixed)
@@ -133,8 +144,11 @@ def test_large_batches_run_as_parts_at_once_where_cpus_allow(served):
     srv, _ = served
     log = (srv.log_dir / "model_log.log").read_text()
     parts = split_parts(torch_threads(0, None))
-    said = (f"a forward of more than 3 rows split into up to {parts} parts at once" if parts > 1
-            else "handler.split_rows 3: nothing to split onto")
+    said = (
+        f"a forward of more than 3 rows split into up to {parts} parts at once"
+        if parts > 1
+        else "handler.split_rows 3: nothing to split onto"
+    )
     assert said in log, log[-3000:]
 
 
@@ -149,8 +163,16 @@ def test_rollout_and_rollback_of_a_variant(served, tmp_path):
     doc = yaml.safe_load(path.read_text())
     doc["handler"]["seed"] = 1
     (tmp_path / "next.yaml").write_text(yaml.safe_dump(doc))
-    common = ["--home", str(srv.home), "--model", name, "--timeout", "180",
-              "--sample", str(ROOT / "sample_requests" / "seed_multi_hot.json")]
+    common = [
+        "--home",
+        str(srv.home),
+        "--model",
+        name,
+        "--timeout",
+        "180",
+        "--sample",
+        str(ROOT / "sample_requests" / "seed_multi_hot.json"),
+    ]
     raws = [random_request(random.Random(i)) for i in range(6)]
 
     def served_as(want_model):
