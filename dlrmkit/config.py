@@ -92,8 +92,9 @@ class Live:
     delta_poll_s: float = 0.5
 
 
-# DLRMConfig's group fields -> their classes. The YAML stays flat: every group field is a
-# ``handler.<key>`` of its own name, and from_dict distributes the keys.
+# DLRMConfig's group fields -> their classes. The YAML stays flat: each field of a group is a
+# ``handler.<key>`` of its own name (handler.split_rows, not handler.threads), and from_dict
+# distributes the keys into the groups.
 GROUPS: dict[str, type] = {"build": Build, "requests": Requests, "raw": RawInput, "threads": Threads, "live": Live}
 
 

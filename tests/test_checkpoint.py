@@ -134,27 +134,9 @@ def test_write_config_derives_a_config_that_builds_and_serves_the_same_scores(tm
     assert "[config] derived: 3 sparse features from the table names (feature_0, feature_1, feature_2)" in printed
     assert "[config] assumed: pooling sum" in printed
     doc = yaml.safe_load(out.read_text())
-    assert {
-        k: doc["handler"][k]
-        for k in (
-            "num_dense_features",
-            "sparse_features",
-            "num_embeddings",
-            "embedding_dim",
-            "dense_arch_layer_sizes",
-            "over_arch_layer_sizes",
-        )
-    } == {
-        k: TINY[k]
-        for k in (
-            "num_dense_features",
-            "sparse_features",
-            "num_embeddings",
-            "embedding_dim",
-            "dense_arch_layer_sizes",
-            "over_arch_layer_sizes",
-        )
-    }
+    layout = ("num_dense_features", "sparse_features", "num_embeddings", "embedding_dim")
+    layout += ("dense_arch_layer_sizes", "over_arch_layer_sizes")
+    assert {k: doc["handler"][k] for k in layout} == {k: TINY[k] for k in layout}
     assert doc["batchSize"] > 1 and doc["startupTimeout"] >= 120 and doc["responseTimeout"] >= 60
     mar = build_mar.main(
         [

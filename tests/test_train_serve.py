@@ -57,20 +57,19 @@ def trained(tmp_path_factory):
     return out
 
 
+def write_config(trained, config) -> None:
+    """The model config scripts/build_mar.py derives from the trainer's checkpoint, in its feature order."""
+    build_mar.main(
+        ["--checkpoint", str(trained / "checkpoint"), "--write-config", str(config)]
+        + ["--feature-order", ",".join(TRAINER_ORDER)]
+    )
+
+
 @pytest.fixture(scope="module")
 def server(trained, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ts")
     config = tmp / "model-config.yaml"
-    build_mar.main(
-        [
-            "--checkpoint",
-            str(trained / "checkpoint"),
-            "--write-config",
-            str(config),
-            "--feature-order",
-            ",".join(TRAINER_ORDER),
-        ]
-    )
+    write_config(trained, config)
     store = tmp / "store"
     build_mar.main(
         ["--config", str(config), "--checkpoint", str(trained / "checkpoint"), "--force", "--output-dir", str(store)]
@@ -265,16 +264,7 @@ def test_an_int8_dense_half_is_built_under_the_accuracy_contract_and_served(trai
     from dlrmkit import accuracy, dense
 
     config = tmp_path / "int8.yaml"
-    build_mar.main(
-        [
-            "--checkpoint",
-            str(trained / "checkpoint"),
-            "--write-config",
-            str(config),
-            "--feature-order",
-            ",".join(TRAINER_ORDER),
-        ]
-    )
+    write_config(trained, config)
     doc = yaml.safe_load(config.read_text())
     doc["handler"]["dense_precision"] = "int8"
     config.write_text(yaml.safe_dump(doc))
