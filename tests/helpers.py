@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import re
 import sys
@@ -123,7 +124,7 @@ def settled(srv, timeout: float = 30.0, model: str = "dlrm") -> dict[str, float]
 
 def grpc_modules(out: Path):
     """inference_pb2 and inference_pb2_grpc, generated now into `out` from the inference.proto
-    TorchServe ships in its frontend jar."""
+    TorchServe ships in its frontend jar (its google/rpc/status.proto only as an include)."""
     import zipfile
 
     from grpc_tools import protoc
@@ -144,12 +145,16 @@ def grpc_modules(out: Path):
             f"--python_out={out}",
             f"--grpc_python_out={out}",
             str(out / "inference.proto"),
-            str(out / "google/rpc/status.proto"),
         ]
     )
     assert rc == 0
-    sys.path.insert(0, str(out))
-    import inference_pb2
-    import inference_pb2_grpc
-
-    return inference_pb2, inference_pb2_grpc
+    # The stub imports its messages as a top-level `inference_pb2` (and google.rpc.status_pb2, from
+    # googleapis-common-protos): both loaded from `out` by file, the messages registered first.
+    modules = []
+    for name in ("inference_pb2", "inference_pb2_grpc"):
+        spec = importlib.util.spec_from_file_location(name, out / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        modules.append(module)
+    return tuple(modules)
