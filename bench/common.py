@@ -150,18 +150,25 @@ def v2_binary(cfg, rng, rows: int) -> bytes:
 # --- the model in this process -------------------------------------------------------------------
 
 
-def random_instance(rng: random.Random, features: list[str], rows: list[int], n_dense: int) -> dict:
+def random_instance(rng: random.Random, cfg) -> dict:
     """One random multi-hot instance: a random subset of the features, 0-4 ids each (soak, faults)."""
-    keys = rng.sample(range(len(features)), rng.randint(0, len(features)))
-    bags = {features[f]: [rng.randrange(rows[f]) for _ in range(rng.randint(0, 4))] for f in keys}
+    n, tables = cfg.num_features, cfg.num_embeddings
+    keys = rng.sample(range(n), rng.randint(0, n))
+    bags = {cfg.sparse_features[f]: [rng.randrange(tables[f]) for _ in range(rng.randint(0, 4))] for f in keys}
     return {
-        "dense": [round(rng.uniform(-2, 2), 4) for _ in range(n_dense)],
+        "dense": [round(rng.uniform(-2, 2), 4) for _ in range(cfg.num_dense_features)],
         "sparse": {
             "keys": list(bags),
             "values": [i for b in bags.values() for i in b],
             "lengths": [len(b) for b in bags.values()],
         },
     }
+
+
+def random_body(rng: random.Random, cfg, rows: int) -> bytes:
+    """``rows`` random_instance rows as one request: the instance alone, or ``instances``."""
+    insts = [random_instance(rng, cfg) for _ in range(rows)]
+    return json.dumps(insts[0] if rows == 1 else {"instances": insts}).encode()
 
 
 def expected_scores(config, weights: Path, bodies: list[bytes]) -> list[list[float]]:
@@ -552,6 +559,16 @@ def run_dir(script: str, slug: str, title: str, out: str | Path | None = None, a
     run["command"] = command
     (folder / "run.json").write_text(json.dumps(run, indent=2) + "\n")
     return folder
+
+
+def md_table(header: list[str], rows: list[list], right: bool = False) -> list[str]:
+    """A markdown table: ``header`` (the columns' names) and a line per row of cells (None: empty);
+    ``right``: every column but the first aligned right."""
+    return [
+        "| " + " | ".join(header) + " |",
+        "|---" + ("|---:" if right else "|---") * (len(header) - 1) + "|",
+        *("| " + " | ".join("" if c is None else str(c) for c in row) + " |" for row in rows),
+    ]
 
 
 def write_report(out: Path, report: dict, lines: list[str], plot=None) -> None:

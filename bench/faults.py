@@ -5,7 +5,7 @@
     python bench/faults.py --short    # ~2 min (tests)
 
 One TorchServe on free loopback ports serves an archive built from model-config.yaml with a
-short responseTimeout (--response-timeout), so a hung worker is noticed within the run. Closed-loop
+short responseTimeout (8 s, 5 with --short), so a hung worker is noticed within the run. Closed-loop
 clients (bench/load.py) send single-row and 128-row requests; every 200 is checked against
 scores computed in this process from the archive's weights (common.expected_scores). Scenarios, in
 order: baseline, worker killed (SIGKILL), worker hung (SIGSTOP), server restarted, rollout,
@@ -32,6 +32,7 @@ import urllib.parse
 import zipfile
 from datetime import datetime
 from pathlib import Path
+from types import SimpleNamespace
 
 from bench.common import (
     ROOT,
@@ -41,49 +42,48 @@ from bench.common import (
     log,
     memory_mb,
     open_fds,
-    random_instance,
+    md_table,
+    random_body,
     run_dir,
     same_scores,
     unpack,
     write_report,
 )
-from bench.load import LoadResult, percentile, run_load
+from bench.load import LoadResult, p50_p99, percentile, run_load
 from scripts.tsctl import Server
-
 
 MODEL = "dlrm"
 ROWS = (1, 128)  # the issue's mix: single-row and 128-row requests
+CONCURRENCY = 16  # the steady clients
+DEADLINE = 60  # seconds a request may wait for its answer before it counts as unanswered
+POOL = 200  # distinct requests, half 1-row, half 128-row
+# Durations (s), counts and the archive's responseTimeout (s: a hung worker is killed after it): a full
+# run (the issue's figures) and --short (the integration test's).
+FULL = dict(baseline=20, kills=3, kill_gap=20, overload=30, after=8, slow=5, slow_rounds=3, logs=10, response_timeout=8)
+SHORT = dict(baseline=5, kills=1, kill_gap=0, overload=6, after=5, slow=3, slow_rounds=1, logs=3, response_timeout=5)
+OVERLOAD_CONCURRENCY, SLOW_CONCURRENCY, STALLED = 256, 8, 200
 
 
 # --- the private server and what it serves ------------------------------------------------------
 
 
 class Bench:
-    """The server under test, the request pool, its expected scores and the run's checks."""
+    """The server under test, the request pool, its expected scores and the run's durations (``p``)."""
 
-    def __init__(self, args, tmp: Path):
+    def __init__(self, short: bool, tmp: Path):
         from dlrmkit.config import DLRMConfig
 
-        self.args, self.tmp, self.store = args, tmp, tmp / "store"
+        self.p, self.tmp, self.store = SimpleNamespace(**(SHORT if short else FULL)), tmp, tmp / "store"
         # One worker, whatever the host's CPU rule gives: a killed or hung worker is then the
         # model's only one, the hardest case, and "the serving worker" is one process.
-        items = {"responseTimeout": args.response_timeout, "workers": 1}
+        items = {"responseTimeout": self.p.response_timeout, "workers": 1}
         self.config_path = build_archive(ROOT / "model-config.yaml", self.store, MODEL, items)[0]
-        self.cfg = DLRMConfig.from_yaml(self.config_path)
+        cfg = DLRMConfig.from_yaml(self.config_path)
         unpack(self.store / f"{MODEL}.mar", tmp / "model")
-        rng = random.Random(args.seed)
-        features, rows, n_dense = (
-            list(self.cfg.sparse_features),
-            list(self.cfg.num_embeddings),
-            self.cfg.num_dense_features,
-        )
-        self.pool = []
-        for k in range(args.pool):
-            insts = [random_instance(rng, features, rows, n_dense) for _ in range(ROWS[k % 2])]
-            self.pool.append(json.dumps(insts[0] if len(insts) == 1 else {"instances": insts}).encode())
+        self.rng = random.Random(0)
+        self.pool = [random_body(self.rng, cfg, ROWS[k % 2]) for k in range(POOL)]
         log(f"scoring {len(self.pool)} requests in this process (the expected answers)")
-        self.expected = expected_scores(self.cfg, tmp / "model" / "dlrm.pt", self.pool)
-        self.rng = rng
+        self.expected = expected_scores(cfg, tmp / "model" / "dlrm.pt", self.pool)
         # logs/ on a small tmpfs of its own, so the last scenario can fill it (mount needs root).
         logs = tmp / "logs"
         logs.mkdir()
@@ -95,15 +95,12 @@ class Bench:
         self.srv = Server.on_free_ports(tmp / "home", model_store=self.store, log_dir=logs)
         self.wall_offset = time.time() - time.perf_counter()  # perf_counter -> wall clock (logs)
 
-    # --- load ---
-
-    def load(self, concurrency: int, duration: float, stop: asyncio.Event | None = None, rows=ROWS):
+    def load(self, concurrency: int, duration: float, stop: asyncio.Event | None = None):
         """A closed-loop load of pool requests; returns (LoadResult, wrong-score count)."""
         wrong = [0]
-        picks = [k for k in range(len(self.pool)) if (1 if b"instances" not in self.pool[k] else 128) in rows]
 
         def next_request(i):
-            k = self.rng.choice(picks)
+            k = self.rng.randrange(len(self.pool))
 
             def check(status, answer):
                 if status == 200 and not same_scores(json.loads(answer)["scores"], self.expected[k]):
@@ -112,21 +109,13 @@ class Bench:
             return self.pool[k], check
 
         async def go():
+            url = f"{self.srv.url}/predictions/{MODEL}"
             res = await run_load(
-                f"{self.srv.url}/predictions/{MODEL}",
-                next_request,
-                concurrency,
-                duration,
-                10_000_000,
-                deadline_s=self.args.deadline,
-                record=True,
-                stop=stop,
+                url, next_request, concurrency, duration, 10**7, deadline_s=DEADLINE, record=True, stop=stop
             )
             return res, wrong[0]
 
         return go()
-
-    # --- processes ---
 
     def rss_mb(self) -> dict:
         """Resident memory of the frontend (Java) and the worker, MB."""
@@ -135,42 +124,22 @@ class Bench:
             out["worker"] = memory_mb(self.srv.worker_pids(MODEL))["rss"]
         return out
 
-    def log_times(self, *needles: str) -> list[tuple[float, str]]:
-        """(wall time, needle) of TorchServe log lines holding one of ``needles`` (ts_log.log
-        has every line twice: once per appender)."""
-        out = []
+    def logged_after(self, t_perf: float, needle: str) -> float | None:
+        """When TorchServe first logged a line holding ``needle`` at or after ``t_perf`` (both perf_counter)."""
+        wall = t_perf + self.wall_offset - 0.01  # the log has millisecond times
         for line in (self.srv.log_dir / "ts_log.log").read_text(errors="replace").splitlines():
-            hit = next((n for n in needles if n in line), None)
-            m = hit and re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d,\d{3}) ", line)
-            if m:
-                t = datetime.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S,%f").timestamp()
-                if not out or out[-1] != (t, hit):
-                    out.append((t, hit))
-        return out
-
-    def load_times(self) -> list[tuple[float, float]]:
-        """(start, seconds) of every worker start, from TorchServe's own log: the worker command
-        line is logged when the process is spawned, WORKER_MODEL_LOADED once initialize returned."""
-        out, start = [], None
-        for t, what in self.log_times("Worker cmdline", "-> WORKER_MODEL_LOADED"):
-            if what == "Worker cmdline":
-                start = t
-            elif start is not None:
-                out.append((start, t - start))
-                start = None
-        return out
+            m = needle in line and re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d,\d{3}) ", line)
+            if m and (t := datetime.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S,%f").timestamp()) >= wall:
+                return t - self.wall_offset
+        return None
 
     def load_time_after(self, t_perf: float) -> float | None:
-        """The load time of the first worker started after ``t_perf`` (perf_counter)."""
-        wall = t_perf + self.wall_offset
-        later = [s for t, s in self.load_times() if t >= wall - 0.01]
-        return round(later[0], 2) if later else None
-
-    def noticed_after(self, t_perf: float) -> float | None:
-        """When TorchServe saw the worker go (its "Worker disconnected" line), perf_counter."""
-        wall = t_perf + self.wall_offset
-        later = [t for t, _ in self.log_times("Worker disconnected") if t >= wall - 0.01]
-        return later[0] - self.wall_offset if later else None
+        """The load time of the first worker started after ``t_perf``, from TorchServe's own log: the
+        worker command line is logged when the process is spawned, WORKER_MODEL_LOADED once initialize
+        returned."""
+        start = self.logged_after(t_perf, "Worker cmdline")
+        done = None if start is None else self.logged_after(start, "-> WORKER_MODEL_LOADED")
+        return None if done is None else round(done - start, 2)
 
 
 # --- one row of the table -----------------------------------------------------------------------
@@ -193,7 +162,7 @@ def row(name: str, res: LoadResult | None, wrong: int, **extra) -> dict:
         "checks": {},
     }
     if res and res.latencies_ms:
-        r["latency_ms_p50_p99"] = [round(res.percentile(50), 1), round(res.percentile(99), 1)]
+        r["latency_ms_p50_p99"] = p50_p99(res.latencies_ms)
         r["requests_per_s"] = round(res.answered / res.wall_s, 1)
         r["max_wait_s"] = round(max(res.latencies_ms) / 1000, 2)  # the longest any client waited
     if res:
@@ -202,15 +171,19 @@ def row(name: str, res: LoadResult | None, wrong: int, **extra) -> dict:
     return r
 
 
-def check(r: dict, name: str, ok: bool, seen) -> None:
-    r["checks"][name] = {"ok": bool(ok), "seen": seen}
-    log(f"  {'ok  ' if ok else 'FAIL'} {r['scenario']}: {name} (seen: {seen})")
-
-
-def common_checks(r: dict) -> None:
+def scenario_row(b: Bench, name: str, res: LoadResult, wrong: int, rss: dict | None, **extra) -> dict:
+    """A scenario's row under load: memory before (``rss``, None: not measured) and now, and the
+    checks every scenario has."""
+    r = row(name, res, wrong, **{"rss_mb_before": rss, "rss_mb_after": rss and b.rss_mb(), **extra})
     check(r, "no wrong score", r["wrong_scores"] == 0, r["wrong_scores"])
     check(r, "no unanswered request", r["unanswered"] == 0, r["unanswered"])
     check(r, "no 4xx for good requests", r["4xx"] == 0, r["4xx"])
+    return r
+
+
+def check(r: dict, name: str, ok: bool, seen) -> None:
+    r["checks"][name] = {"ok": bool(ok), "seen": seen}
+    log(f"  {'ok  ' if ok else 'FAIL'} {r['scenario']}: {name} (seen: {seen})")
 
 
 def failed(res: LoadResult) -> list[tuple[float, float, int]]:
@@ -223,10 +196,10 @@ def first_ok_sent_after(res: LoadResult, t: float) -> float | None:
     return min(done) if done else None
 
 
-# --- scenarios ----------------------------------------------------------------------------------
+# --- scenarios ---------------------------------------------------------------------------------
 
 
-async def under_load(b: Bench, fault, lead: float = 2.0, tail: float = 2.0, concurrency: int | None = None):
+async def under_load(b: Bench, fault, lead: float = 2.0, tail: float = 2.0, concurrency: int = CONCURRENCY):
     """The steady load from ``lead`` s before ``fault()`` until ``tail`` s after it returned (or
     raised); returns (LoadResult, wrong scores, what ``fault()`` returned)."""
     stop = asyncio.Event()
@@ -239,23 +212,24 @@ async def under_load(b: Bench, fault, lead: float = 2.0, tail: float = 2.0, conc
             await asyncio.sleep(tail)
             stop.set()
 
-    (res, wrong), out = await asyncio.gather(b.load(concurrency or b.args.concurrency, 3600, stop), run())
+    (res, wrong), out = await asyncio.gather(b.load(concurrency, 3600, stop), run())
     return res, wrong, out
 
 
 async def baseline(b: Bench) -> dict:
     rss = b.rss_mb()
-    res, wrong = await b.load(b.args.concurrency, b.args.baseline)
-    r = row("baseline", res, wrong, rss_mb_before=rss, rss_mb_after=b.rss_mb(), worker_load_s=b.load_times()[0][1])
-    common_checks(r)
+    res, wrong = await b.load(CONCURRENCY, b.p.baseline)
+    r = scenario_row(b, "baseline", res, wrong, rss, worker_load_s=b.load_time_after(float("-inf")))
     check(r, "all 200", r["ok"] == r["requests"], r["statuses"])
-    b.normal_p50, b.normal_p99 = r["latency_ms_p50_p99"]
+    b.normal_p50 = r["latency_ms_p50_p99"][0]
     return r
 
 
-async def _signal_worker_during_load(b: Bench, name: str, sig: int, times: int, gap: float, hold: float = 0.0):
+async def signal_worker(b: Bench, name: str, sig: int, times: int, gap: float, bound: tuple, hold: float = 0.0):
     """Load at the issue's c=16 while ``sig`` hits the serving worker ``times`` times, ``gap`` s
-    apart (SIGSTOP: continued after ``hold`` s, unless TorchServe killed it first)."""
+    apart (SIGSTOP: continued after ``hold`` s, unless TorchServe killed it first); ``bound`` (a
+    check's name, seconds): each recovery within the new worker's load time + those seconds.
+    Returns (the row, the faults' (perf_counter, pid))."""
     faults: list[tuple[float, int]] = []
 
     async def inject():
@@ -267,18 +241,14 @@ async def _signal_worker_during_load(b: Bench, name: str, sig: int, times: int, 
             log(f"  {name}: signal {signal.Signals(sig).name} to worker {pid} ({n + 1}/{times})")
             if hold:
                 await asyncio.sleep(hold)
-                try:
+                with contextlib.suppress(ProcessLookupError):  # TorchServe killed it: the expected outcome
                     os.kill(pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass  # TorchServe killed it: the expected outcome
             # Bounded wait until the replacement answers, then on to the next fault.
-            await wait_model_back(b, pid, b.args.deadline)
+            await wait_model_back(b, pid, DEADLINE)
             await asyncio.sleep(max(0.0, gap - (time.perf_counter() - t)))
 
     rss = b.rss_mb()
     res, wrong, _ = await under_load(b, inject)
-    r = row(name, res, wrong, rss_mb_before=rss, rss_mb_after=b.rss_mb())
-    common_checks(r)
     recoveries, loads, in_hands, windows = [], [], [], []
     for t, _pid in faults:
         back = first_ok_sent_after(res, t)
@@ -286,32 +256,34 @@ async def _signal_worker_during_load(b: Bench, name: str, sig: int, times: int, 
         loads.append(b.load_time_after(t))
         # The worker's hands: sent before TorchServe noticed the fault (a batch it handed on to
         # the dead worker) and answered after the fault.
-        seen = b.noticed_after(t) or t
-        windows.append((t, seen + 0.05))  # the log has millisecond times
-        in_hands.append(sum(1 for s, d, status in failed(res) if s <= seen + 0.05 and d >= t))
+        seen = (b.logged_after(t, "Worker disconnected") or t) + 0.05  # the log has millisecond times
+        windows.append((t, seen))
+        in_hands.append(sum(1 for s, d, status in failed(res) if s <= seen and d >= t))
     t1 = faults[0][0]
-    r.update(
+    r = scenario_row(
+        b,
+        name,
+        res,
+        wrong,
+        rss,
         recovery_s=max((x for x in recoveries if x is not None), default=None),
         recoveries_s=recoveries,
         worker_load_s=loads,
         failed_per_fault=in_hands,
         failed_sent_done_status=[(round(s - t1, 2), round(d - t1, 2), st) for s, d, st in failed(res)[:20]],
+        noticed_after_s=[round(seen - t, 2) for t, seen in windows],
     )
     outside = [e for e in failed(res) if not any(e[0] <= seen and e[1] >= t for t, seen in windows)]
-    r["noticed_after_s"] = [round(seen - t, 2) for t, seen in windows]
     check(
         r,
         "only requests in the worker's hands fail (sent before TorchServe noticed, answered after)",
         not outside,
         f"{len(failed(res))} failed, {len(outside)} of them not held at a fault",
     )
-    check(
-        r,
-        "at most one batch (<= concurrency) fails per fault",
-        all(n <= b.args.concurrency for n in in_hands),
-        in_hands,
-    )
-    return r, faults, recoveries, loads
+    check(r, "at most one batch (<= concurrency) fails per fault", all(n <= CONCURRENCY for n in in_hands), in_hands)
+    within = all(x is not None and lt is not None and x <= lt + bound[1] for x, lt in zip(recoveries, loads))
+    check(r, bound[0], within, f"recovery {recoveries} s, load {loads} s")
+    return r, faults
 
 
 async def wait_model_back(b: Bench, old_pid: int, timeout: float) -> None:
@@ -329,32 +301,16 @@ async def wait_model_back(b: Bench, old_pid: int, timeout: float) -> None:
 
 
 async def worker_killed(b: Bench) -> dict:
-    r, faults, recoveries, loads = await _signal_worker_during_load(
-        b, "worker killed", signal.SIGKILL, b.args.kills, b.args.kill_gap
-    )
-    check(
-        r,
-        "recovery <= the new worker's load time + 5 s",
-        all(x is not None and lt is not None and x <= lt + 5 for x, lt in zip(recoveries, loads)),
-        f"recovery {recoveries} s, load {loads} s",
-    )
-    return r
+    bound = ("recovery <= the new worker's load time + 5 s", 5)
+    return (await signal_worker(b, "worker killed", signal.SIGKILL, b.p.kills, b.p.kill_gap, bound))[0]
 
 
 async def worker_hung(b: Bench) -> dict:
-    timeout = b.args.response_timeout
-    r, faults, recoveries, loads = await _signal_worker_during_load(
-        b, "worker hung", signal.SIGSTOP, 1, 0, hold=timeout + 3
-    )
-    t, pid = faults[0]
+    timeout = b.p.response_timeout
+    bound = (f"recovery <= responseTimeout ({timeout} s) + load time + 5 s", timeout + 5)
+    r, ((t, pid),) = await signal_worker(b, "worker hung", signal.SIGSTOP, 1, 0, bound, hold=timeout + 3)
     replaced = not Path(f"/proc/{pid}").exists() or pid not in b.srv.worker_pids(MODEL)
     check(r, "the hung worker was replaced", replaced, f"pid {pid} gone: {replaced}")
-    check(
-        r,
-        f"recovery <= responseTimeout ({timeout} s) + load time + 5 s",
-        all(x is not None and lt is not None and x <= timeout + lt + 5 for x, lt in zip(recoveries, loads)),
-        f"recovery {recoveries} s, load {loads} s",
-    )
     return r
 
 
@@ -375,17 +331,16 @@ async def server_restarted(b: Bench) -> dict:
     rss = b.rss_mb()
     res, wrong, _ = await under_load(b, restart)
     back = first_ok_sent_after(res, marks["stopped"])
-    r = row(
+    r = scenario_row(
+        b,
         "server restarted",
         res,
         wrong,
-        rss_mb_before=rss,
-        rss_mb_after=b.rss_mb(),
+        rss,
         recovery_s=round(back - marks["stop"], 2) if back else None,
         stop_s=round(marks["stopped"] - marks["stop"], 2),
         worker_load_s=b.load_time_after(marks["stopped"]),
     )
-    common_checks(r)
     outside = [e for e in failed(res) if not (marks["stop"] <= e[1] and e[0] <= marks["ready"])]
     check(
         r,
@@ -409,33 +364,30 @@ async def rollout_under_load(b: Bench) -> dict:
 
     rss = b.rss_mb()
     res, wrong, rc = await under_load(b, roll, lead=1.0, tail=1.0)
-    r = row("rollout", res, wrong, rss_mb_before=rss, rss_mb_after=b.rss_mb())
-    common_checks(r)
+    r = scenario_row(b, "rollout", res, wrong, rss)
     check(r, "rollout.py succeeded", rc == 0, rc)
     check(r, "no request failed", not failed(res), len(failed(res)))
     return r
 
 
 async def overload(b: Bench) -> dict:
-    """c=256 (16x the steady clients) for --overload s, then the steady load again: how fast
-    latency returns to the baseline's."""
+    """c=256 (16x the steady clients), then the steady load again: how fast latency returns to the
+    baseline's."""
     rss = b.rss_mb()
-    log(f"  overload: c={b.args.overload_concurrency} for {b.args.overload:.0f} s")
-    res, wrong = await b.load(b.args.overload_concurrency, b.args.overload)
+    log(f"  overload: c={OVERLOAD_CONCURRENCY} for {b.p.overload:.0f} s")
+    res, wrong = await b.load(OVERLOAD_CONCURRENCY, b.p.overload)
     rss_peak = b.rss_mb()
     t_drop = time.perf_counter()
-    after, wrong_after = await b.load(b.args.concurrency, b.args.after)
-    r = row("overload", res, wrong + wrong_after, rss_mb_before=rss, rss_mb_after=b.rss_mb(), rss_mb_peak=rss_peak)
-    common_checks(r)
+    after, wrong_after = await b.load(CONCURRENCY, b.p.after)
+    r = scenario_row(b, "overload", res, wrong + wrong_after, rss, rss_mb_peak=rss_peak)
     ok_ms = [(d - s) * 1000 for s, d, st in res.events if st == 200]
     busy_ms = [(d - s) * 1000 for s, d, st in res.events if st == 503]
-    r["latency_ms_p50_p99_200"] = [round(percentile(ok_ms, 50), 1), round(percentile(ok_ms, 99), 1)]
-    r["latency_ms_p50_p99_503"] = [round(percentile(busy_ms, 50), 1), round(percentile(busy_ms, 99), 1)]
+    r["latency_ms_p50_p99_200"], r["latency_ms_p50_p99_503"] = p50_p99(ok_ms), p50_p99(busy_ms)
     # Recovered: the first 0.5 s window after the drop whose median latency is within 1.5x
     # (+5 ms) of the baseline's median.
     bound = 1.5 * b.normal_p50 + 5
     recovered = None
-    for w in range(int(b.args.after / 0.5)):
+    for w in range(int(b.p.after / 0.5)):
         lo, hi = t_drop + 0.5 * w, t_drop + 0.5 * (w + 1)
         lat = [(d - s) * 1000 for s, d, st in after.events if lo <= s < hi and st == 200]
         if lat and percentile(lat, 50) <= bound:
@@ -446,20 +398,13 @@ async def overload(b: Bench) -> dict:
     others = {k: v for k, v in res.statuses.items() if k not in (200, 503)}
     check(r, "only 200 or 503 (queue full)", not others and after.statuses.keys() <= {200}, res.statuses)
     check(r, "503s are quick (p99 < 1 s)", not busy_ms or percentile(busy_ms, 99) < 1000, r["latency_ms_p50_p99_503"])
-    check(
-        r,
-        f"200s bounded by the queue (p99 < responseTimeout {b.args.response_timeout} s)",
-        percentile(ok_ms, 99) < b.args.response_timeout * 1000,
-        r["latency_ms_p50_p99_200"],
-    )
+    timeout = b.p.response_timeout
+    bounded = percentile(ok_ms, 99) < timeout * 1000
+    check(r, f"200s bounded by the queue (p99 < responseTimeout {timeout} s)", bounded, r["latency_ms_p50_p99_200"])
     grow = {k: round(r["rss_mb_after"][k] - rss[k], 1) for k in rss if rss[k] is not None and r["rss_mb_after"].get(k)}
     check(r, "memory bounded (each process grew < 300 MB)", all(v < 300 for v in grow.values()), grow)
-    check(
-        r,
-        "latency back to baseline within 5 s of the drop",
-        recovered is not None and recovered <= 5,
-        f"{recovered} s (bound: p50 <= {bound:.1f} ms)",
-    )
+    back = recovered is not None and recovered <= 5
+    check(r, "latency back to baseline within 5 s of the drop", back, f"{recovered} s (bound: p50 <= {bound:.1f} ms)")
     return r
 
 
@@ -492,7 +437,7 @@ async def slow_clients(b: Bench) -> dict:
 
     async def beside_faults():
         stalled = []
-        for _ in range(b.args.stalled):
+        for _ in range(STALLED):
             reader, writer = await asyncio.open_connection(host, port)
             writer.write(head + body[: len(body) // 2])
             await writer.drain()
@@ -502,7 +447,7 @@ async def slow_clients(b: Bench) -> dict:
 
         async def timed():
             try:
-                return await b.load(b.args.slow_concurrency, b.args.slow)
+                return await b.load(SLOW_CONCURRENCY, b.p.slow)
             finally:
                 stop.set()
 
@@ -515,56 +460,33 @@ async def slow_clients(b: Bench) -> dict:
         fds_after.append(open_fds(fe))
         return out
 
-    alone, beside = [await b.load(b.args.slow_concurrency, b.args.slow)], []
-    for _ in range(b.args.slow_rounds):
+    alone, beside = [await b.load(SLOW_CONCURRENCY, b.p.slow)], []
+    for _ in range(b.p.slow_rounds):
         beside.append(await beside_faults())
-        alone.append(await b.load(b.args.slow_concurrency, b.args.slow))
+        alone.append(await b.load(SLOW_CONCURRENCY, b.p.slow))
     rss1 = b.rss_mb()
 
     def tput(runs):
         return round(sum(x.answered for x, _ in runs) / sum(x.wall_s for x, _ in runs), 1)
 
     ratio = round(tput(beside) / tput(alone), 3)
-    during = LoadResult()  # the windows beside the faults, summed for the table
-    for x, _ in beside:
-        during.sent += x.sent
-        during.answered += x.answered
-        during.transport_errors += x.transport_errors
-        during.timeouts += x.timeouts
-        during.latencies_ms += x.latencies_ms
-        during.wall_s += x.wall_s
-        for k, v in x.statuses.items():
-            during.statuses[k] = during.statuses.get(k, 0) + v
-    r = row(
+    r = scenario_row(
+        b,
         "slow clients",
-        during,
+        LoadResult.total([x for x, _ in beside]),  # the windows beside the faults, for the table
         sum(w for _, w in alone + beside),
-        rss_mb_before=rss0,
+        rss0,
         rss_mb_after=rss1,
         throughput_alone_beside=[tput(alone), tput(beside)],
         throughput_ratio=ratio,
         hangups=hangups[0],
         frontend_fds_before_stalled_after=[fds0, max(fds_stalled), max(fds_after)],
     )
-    common_checks(r)
-    check(
-        r,
-        "normal client loses < 20% throughput (beside the faults vs alone)",
-        ratio > 0.8,
-        r["throughput_alone_beside"],
-    )
-    check(
-        r,
-        "all the normal client's requests answered 200",
-        all(x.statuses.keys() <= {200} and not x.transport_errors for x, _ in alone + beside),
-        [x.statuses for x, _ in alone + beside],
-    )
-    check(
-        r,
-        "frontend file descriptors back to baseline (+5)",
-        max(fds_after) <= fds0 + 5,
-        r["frontend_fds_before_stalled_after"],
-    )
+    tputs, fds, runs = r["throughput_alone_beside"], r["frontend_fds_before_stalled_after"], alone + beside
+    check(r, "normal client loses < 20% throughput (beside the faults vs alone)", ratio > 0.8, tputs)
+    all_ok = all(x.statuses.keys() <= {200} and not x.transport_errors for x, _ in runs)
+    check(r, "all the normal client's requests answered 200", all_ok, [x.statuses for x, _ in runs])
+    check(r, "frontend file descriptors back to baseline (+5)", max(fds_after) <= fds0 + 5, fds)
     grow = round(rss1["frontend"] - rss0["frontend"], 1)
     check(r, "frontend memory back near baseline (< 100 MB more)", grow < 100, f"{grow} MB")
     return r
@@ -612,8 +534,7 @@ async def archive_faults(b: Bench) -> dict:
             log(f"  archive faults: {why}: exit {rc} in {answers[why]['seconds']} s: {answers[why]['message']}")
 
     res, wrong, _ = await under_load(b, register, lead=0.5, tail=1.0, concurrency=4)
-    r = row("archive faults", res, wrong, registrations=answers)
-    common_checks(r)
+    r = scenario_row(b, "archive faults", res, wrong, None, registrations=answers)
     check(r, "the serving model kept answering 200", not failed(res), res.statuses)
     for why, a in answers.items():
         check(r, f"{why}: refused at registration", a["rc"] == 1, f"exit {a['rc']}")
@@ -636,17 +557,9 @@ async def logs_disk(b: Bench) -> list[dict]:
     except OSError as e:
         log(f"  logs: tmpfs full ({e.strerror}); the logs took {logs_mb} MB")
     rss = b.rss_mb()
-    res, wrong = await b.load(b.args.concurrency, b.args.logs)
-    r = row(
-        "logs disk full",
-        res,
-        wrong,
-        rss_mb_before=rss,
-        rss_mb_after=b.rss_mb(),
-        how="logs/ on a 1 GB tmpfs, filled to ENOSPC while serving",
-        logs_mb_written_before=logs_mb,
-    )
-    common_checks(r)
+    res, wrong = await b.load(CONCURRENCY, b.p.logs)
+    how = "logs/ on a 1 GB tmpfs, filled to ENOSPC while serving"
+    r = scenario_row(b, "logs disk full", res, wrong, rss, how=how, logs_mb_written_before=logs_mb)
     check(r, "scoring goes on", not failed(res) and res.answered > 0, res.statuses)
     (b.srv.log_dir / "filler").unlink(missing_ok=True)
 
@@ -669,50 +582,28 @@ async def logs_disk(b: Bench) -> list[dict]:
     return [r, r2]
 
 
-# --- the table ----------------------------------------------------------------------------------
+# --- the table ---------------------------------------------------------------------------------
 
 
-COLUMNS = [
-    "scenario",
-    "requests",
-    "200",
-    "4xx",
-    "5xx",
-    "conn err",
-    "unanswered",
-    "wrong scores",
-    "recovery s",
-    "max wait s",
-    "RSS MB before (fe/worker)",
-    "RSS MB after (fe/worker)",
-    "checks",
-]
+COLUMNS = "scenario | requests | 200 | 4xx | 5xx | conn err | unanswered | wrong scores | recovery s | max wait s | "
+COLUMNS += "RSS MB before (fe/worker) | RSS MB after (fe/worker) | checks"
+CELLS = ("scenario", "requests", "ok", "4xx", "5xx", "conn_errors", "unanswered", "wrong_scores", "recovery_s")
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict]) -> list[str]:
     def rss(x):
         return f"{x['frontend']:.0f} / {x['worker'] or 0:.0f}" if x else ""
 
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for r in rows:
-        n_ok = sum(c["ok"] for c in r["checks"].values())
-        cells = [
-            r["scenario"],
-            r["requests"],
-            r["ok"],
-            r["4xx"],
-            r["5xx"],
-            r["conn_errors"],
-            r["unanswered"],
-            r["wrong_scores"],
-            "" if r["recovery_s"] is None else r["recovery_s"],
-            r.get("max_wait_s", ""),
-            rss(r["rss_mb_before"]),
-            rss(r["rss_mb_after"]),
-            r.get("skipped") or f"{n_ok}/{len(r['checks'])}",
-        ]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(lines) + "\n"
+    def checks(r):
+        return r.get("skipped") or f"{sum(c['ok'] for c in r['checks'].values())}/{len(r['checks'])}"
+
+    return md_table(
+        COLUMNS.split(" | "),
+        [
+            [*(r[k] for k in CELLS), r.get("max_wait_s"), rss(r["rss_mb_before"]), rss(r["rss_mb_after"]), checks(r)]
+            for r in rows
+        ],
+    )
 
 
 SCENARIOS = {
@@ -729,63 +620,12 @@ SCENARIOS = {
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument(
-        "--short", action="store_true", help="the integration test's version: fewer, shorter faults (~2 min)"
-    )
-    ap.add_argument("--only", nargs="+", choices=list(SCENARIOS), help="run these scenarios (after the baseline)")
+    ap.add_argument("--short", action="store_true", help="the integration test's run: fewer, shorter faults (~2 min)")
     ap.add_argument("--out", help="write faults.json, faults.md and run.json here (default: results/<date>-faults/)")
-    ap.add_argument("--concurrency", type=int, default=16, help="steady clients (default: %(default)s)")
-    ap.add_argument(
-        "--deadline",
-        type=float,
-        default=60,
-        help="seconds a request may wait for its answer before it counts as unanswered (default: %(default)s)",
-    )
-    ap.add_argument(
-        "--response-timeout",
-        type=int,
-        help="the archive's responseTimeout, s: a hung worker is killed after it (default: 8, --short: 5)",
-    )
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--keep", action="store_true", help="keep the server's folder (logs) for a look afterwards")
-    ap.add_argument("--pool", type=int, default=200, help="distinct requests, half 1-row, half 128-row")
     args = ap.parse_args(argv)
-    # Durations (s) and counts: full run (the issue's figures) / --short.
-    full = dict(
-        baseline=20,
-        kills=3,
-        kill_gap=20,
-        overload=30,
-        overload_concurrency=256,
-        after=8,
-        slow=5,
-        slow_rounds=3,
-        slow_concurrency=8,
-        stalled=200,
-        logs=10,
-    )
-    short = dict(
-        baseline=5,
-        kills=1,
-        kill_gap=0,
-        overload=6,
-        overload_concurrency=256,
-        after=5,
-        slow=3,
-        slow_rounds=1,
-        slow_concurrency=8,
-        stalled=200,
-        logs=3,
-    )
-    for k, v in (short if args.short else full).items():
-        setattr(args, k, v)
-    args.response_timeout = args.response_timeout or (5 if args.short else 8)
-
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="dlrm-faults-") as tmp:
-        if args.keep:
-            tmp = tempfile.mkdtemp(prefix="dlrm-faults-kept-")
-        b = Bench(args, Path(tmp))
+        b = Bench(args.short, Path(tmp))
         log(f"starting TorchServe (logs in {b.srv.log_dir})")
         b.srv.start()
         rows = []
@@ -793,10 +633,10 @@ def main(argv: list[str] | None = None) -> int:
             b.srv.wait_ready(MODEL, b.pool[0], timeout=180)
 
             async def run_all():
-                log(f"baseline: c={args.concurrency} for {args.baseline} s")
+                log(f"baseline: c={CONCURRENCY} for {b.p.baseline} s")
                 rows.append(await baseline(b))
                 # --short leaves out the rollout: tests/test_ops_server.py rolls out under load.
-                for name in args.only or [n for n in SCENARIOS if not (args.short and n == "rollout")]:
+                for name in [n for n in SCENARIOS if not (args.short and n == "rollout")]:
                     log(f"scenario {name} ({time.monotonic() - t0:.0f} s in)")
                     out = await SCENARIOS[name](b)
                     rows.extend(out if isinstance(out, list) else [out])
@@ -806,16 +646,10 @@ def main(argv: list[str] | None = None) -> int:
             b.srv.stop()
             if b.logs_tmpfs:
                 subprocess.run(["umount", "-l", str(b.srv.log_dir)], check=False)
-    report = {
-        "short": args.short,
-        "wall_s": round(time.monotonic() - t0, 1),
-        "concurrency": args.concurrency,
-        "response_timeout_s": args.response_timeout,
-        "deadline_s": args.deadline,
-        "rows": rows,
-    }
+    report = {"short": args.short, "wall_s": round(time.monotonic() - t0, 1), "concurrency": CONCURRENCY}
+    report.update(response_timeout_s=b.p.response_timeout, deadline_s=DEADLINE, rows=rows)
     out = run_dir(__file__, "faults", "Faults under load: a private TorchServe broken every way", args.out, argv)
-    write_report(out / "faults", report, table(rows).splitlines())
+    write_report(out / "faults", report, table(rows))
     bad = [f"{r['scenario']}: {n}" for r in rows for n, c in r["checks"].items() if not c["ok"]]
     log(f"{'PASS' if not bad else 'FAIL'} in {report['wall_s']:.0f} s" + "".join(f"\n  failed: {x}" for x in bad))
     return 0 if not bad else 1

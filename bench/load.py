@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import resource
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 from urllib.parse import urlsplit
@@ -91,6 +92,14 @@ class LoadResult:
     def percentile(self, q: float) -> float:
         return percentile(self.latencies_ms, q)
 
+    @classmethod
+    def total(cls, results: list[LoadResult]) -> LoadResult:
+        """Several runs as one: their counts, latencies, statuses and wall times summed."""
+        out = cls(statuses=dict(sum((Counter(r.statuses) for r in results), Counter())))
+        for name in ("sent", "answered", "transport_errors", "timeouts", "latencies_ms", "wall_s"):
+            setattr(out, name, sum((getattr(r, name) for r in results), getattr(out, name)))
+        return out
+
 
 def percentile(data, q: float) -> float:
     """The q-th percentile (nearest rank) of ``data``; NaN when empty."""
@@ -98,6 +107,11 @@ def percentile(data, q: float) -> float:
         return float("nan")
     data = sorted(data)
     return data[min(len(data) - 1, int(q / 100 * len(data)))]
+
+
+def p50_p99(data) -> list[float]:
+    """The median and the 99th percentile of ``data`` (ms), to 0.1."""
+    return [round(percentile(data, 50), 1), round(percentile(data, 99), 1)]
 
 
 async def run_load(

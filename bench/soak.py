@@ -23,20 +23,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import ROOT, log, random_instance, run_dir, same_scores, serving, write_report
-from bench.load import run_load
+from bench.common import ROOT, log, md_table, random_body, run_dir, same_scores, serving, write_report
+from bench.load import p50_p99, run_load
 from scripts.tsctl import post, worker_pids
 
-
-def good_requests(rng, n, features, rows, n_dense) -> list[bytes]:
-    out = []
-    for _ in range(n):
-        if rng.random() < 0.6:
-            out.append(json.dumps(random_instance(rng, features, rows, n_dense)).encode())
-        else:
-            insts = [random_instance(rng, features, rows, n_dense) for _ in range(rng.randint(2, 16))]
-            out.append(json.dumps({"instances": insts}).encode())
-    return out
+POOL = 400  # distinct good requests
+BAD_FRACTION = 0.25  # the share of bad requests
 
 
 def bad_requests(features, rows, n_dense) -> list[tuple[bytes, int]]:
@@ -70,29 +62,23 @@ def bad_requests(features, rows, n_dense) -> list[tuple[bytes, int]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", help="a running TorchServe inference URL (default: start a private one on free ports)")
-    ap.add_argument("--management-url", help="its management URL, for worker pids (default: derived)")
     ap.add_argument("--model", default="dlrm", help="model name (default: %(default)s)")
     ap.add_argument("--config", default=str(ROOT / "model-config.yaml"), help="the model's config, for valid ids")
     ap.add_argument("--model-store", default=str(ROOT / "model_store"), help="archives for a private server")
     ap.add_argument("--concurrency", type=int, default=64, help="clients in flight (default: %(default)s)")
     ap.add_argument("--duration", type=float, default=60, help="seconds of load (default: %(default)s)")
-    ap.add_argument("--max-requests", type=int, default=5_000_000, help="upper bound on requests sent")
-    ap.add_argument("--bad-fraction", type=float, default=0.25, help="share of bad requests (default: %(default)s)")
-    ap.add_argument("--pool", type=int, default=400, help="distinct good requests (default: %(default)s)")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="write soak.json, soak.md and run.json here (default: results/<date>-soak/)")
     args = ap.parse_args()
 
     from dlrmkit.config import DLRMConfig
 
     cfg = DLRMConfig.from_yaml(args.config)
-    features, rows = list(cfg.sparse_features), list(cfg.num_embeddings)
-    rng = random.Random(args.seed)
-
-    pool = good_requests(rng, args.pool, features, rows, cfg.num_dense_features)
+    rng = random.Random(0)
+    # one instance (60%) or 2-16 instances each, multi-hot, random key subsets
+    pool = [random_body(rng, cfg, 1 if rng.random() < 0.6 else rng.randint(2, 16)) for _ in range(POOL)]
     with contextlib.ExitStack() as stack:
         if args.url:
-            url, mgmt = args.url.rstrip("/"), (args.management_url or args.url.replace(":8080", ":8081")).rstrip("/")
+            url, mgmt = args.url.rstrip("/"), args.url.replace(":8080", ":8081").rstrip("/")
         else:
             home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dlrm-soak-")))
             srv = stack.enter_context(serving(home, Path(args.model_store), {args.model: pool[0]}, timeout=300))
@@ -105,14 +91,14 @@ def main() -> int:
             if status != 200:
                 raise SystemExit(f"a good request failed alone: HTTP {status} {answer[:200]!r}")
             solo.append(json.loads(answer)["scores"])
-        bad = bad_requests(features, rows, cfg.num_dense_features)
+        bad = bad_requests(list(cfg.sparse_features), list(cfg.num_embeddings), cfg.num_dense_features)
 
         pids_seen = set(pids_or_none(mgmt, args.model))
         start_pids = sorted(pids_seen)
         wrong_status, wrong_scores, examples = 0, 0, []
 
         def next_request(i):
-            if rng.random() < args.bad_fraction:
+            if rng.random() < BAD_FRACTION:
                 body, want = rng.choice(bad)
                 expected = None
             else:
@@ -144,10 +130,8 @@ def main() -> int:
                 f"wrong scores {wrong_scores}, worker pids seen {len(pids_seen)}"
             )
 
-        log(f"{args.duration:.0f} s at concurrency {args.concurrency}, {args.bad_fraction:.0%} bad")
-        res = asyncio.run(
-            run_load(endpoint, next_request, args.concurrency, args.duration, args.max_requests, progress=progress)
-        )
+        log(f"{args.duration:.0f} s at concurrency {args.concurrency}, {BAD_FRACTION:.0%} bad")
+        res = asyncio.run(run_load(endpoint, next_request, args.concurrency, args.duration, 10**8, progress=progress))
         end_pids = pids_or_none(mgmt, args.model)
         pids_seen.update(end_pids)
         report = {
@@ -163,23 +147,14 @@ def main() -> int:
             "worker_pids_start": start_pids,
             "worker_pids_end": end_pids,
             "requests_per_s": round(res.answered / res.wall_s, 1),
-            "latency_ms_p50_p99": [round(res.percentile(50), 1), round(res.percentile(99), 1)],
+            "latency_ms_p50_p99": p50_p99(res.latencies_ms),
             "client_cpu_s": round(res.client_cpu_s, 1),
             "examples": examples,
         }
     clean = report["lost"] == 0 and wrong_status == 0 and wrong_scores == 0 and report["worker_restarts"] == 0
     keys = ("sent", "answered", "lost", "wrong_status", "wrong_scores", "worker_restarts", "requests_per_s")
-    lines = [
-        "| " + " | ".join(keys) + " | statuses | p50 / p99 ms |",
-        "|" + "---:|" * (len(keys) + 2),
-        "| "
-        + " | ".join(str(report[k]) for k in keys)
-        + f" | {report['statuses']} | "
-        + " / ".join(map(str, report["latency_ms_p50_p99"]))
-        + " |",
-        "",
-        f"{'PASS' if clean else 'FAIL'}",
-    ]
+    cells = [report[k] for k in keys] + [report["statuses"], " / ".join(map(str, report["latency_ms_p50_p99"]))]
+    lines = md_table([*keys, "statuses", "p50 / p99 ms"], [cells], right=True) + ["", "PASS" if clean else "FAIL"]
     write_report(
         run_dir(__file__, "soak", "Soak: mixed good/bad load, every answer checked", args.out) / "soak", report, lines
     )
