@@ -59,6 +59,7 @@ from bench.common import (
     machine,
     make_body,
     make_kind,
+    md_table,
     measure_load,
     metric_value,
     raw_caller,
@@ -75,11 +76,19 @@ from scripts.tsctl import Server, post
 
 BATCHES = (1, 32, 128, 512)
 CONCURRENCY = (1, 16, 64)
+RAW_SECONDS = 4.0  # per raw / in-process point
+WARM_UP_S = 40.0  # of load over every served model before the first measured point
+TURNS, TURN_SECONDS = 3, 4.0  # both sides of every served target back to back; seconds per point in a turn
 
 
 def v2_header_length(body: bytes) -> int:
     """The length of a v2 binary body's JSON header (what Inference-Header-Content-Length says)."""
     return json.JSONDecoder().raw_decode(body.decode("latin-1"))[1]
+
+
+def said(row: dict, *skip: str) -> str:
+    """A row's figures for the log: ``key value, ...`` less the keys ``skip``."""
+    return ", ".join(f"{k} {v}" for k, v in row.items() if k not in skip)
 
 
 # --- 1. raw forward ------------------------------------------------------------------------------
@@ -115,7 +124,7 @@ def bench_raw(model, cfg, seconds: float) -> list[dict]:
         )
         if b == 1:
             rows[-1]["paced_2ms_p50_ms"] = round(paced_p50(call, seconds) * 1e3, 3)
-        log(f"raw forward B={b}: " + ", ".join(f"{k} {v}" for k, v in rows[-1].items() if k != "batch"))
+        log(f"raw forward B={b}: " + said(rows[-1], "batch"))
     return rows
 
 
@@ -216,10 +225,7 @@ def handler_point(handler, cfg, n_req: int, kind, bodies: list, seconds: float) 
         "overhead_share_of_forward": round(share, 3),
         "parse_collate_share_of_forward": round(statistics.median(prep_share), 3),
     }
-    log(
-        f"handler {n_req} x {rows} rows ({row['form']}, {row['body_bytes']:,} B): handle {total:,.0f} us, forward "
-        f"{med['forward']:,.0f} us, parse {med['parse']:,.0f}, collate {med['collate']:,.0f}, respond {med['respond']:,.0f} us"
-    )
+    log(f"handler, {n_req} request(s): " + said(row, "requests"))
     return row
 
 
@@ -235,25 +241,10 @@ def build_archives(cfg_path: Path, store: Path) -> None:
     doc.pop("handler", None)
     echo_cfg = store / "echo-config.yaml"
     echo_cfg.write_text(yaml.safe_dump(doc))
-    subprocess.run(
-        [
-            str(Path(sys.executable).parent / "torch-model-archiver"),
-            "--model-name",
-            "echo",
-            "--version",
-            "1.0",
-            "--handler",
-            str(HERE / "echo_handler.py"),
-            "--config-file",
-            str(echo_cfg),
-            "--export-path",
-            str(store),
-            "--force",
-        ],
-        check=True,
-        # the archiver stages (and first deletes) $TMPDIR/<model name>: keep it private
-        env={**os.environ, "TMPDIR": str(store)},
-    )
+    cmd = [str(Path(sys.executable).parent / "torch-model-archiver"), "--model-name", "echo", "--version", "1.0"]
+    cmd += ["--handler", str(HERE / "echo_handler.py"), "--config-file", str(echo_cfg), "--export-path", str(store)]
+    # the archiver stages (and first deletes) $TMPDIR/<model name>: keep it private
+    subprocess.run([*cmd, "--force"], check=True, env={**os.environ, "TMPDIR": str(store)})
 
 
 def warm_up_server(srv: Server, models: list[str], bodies: dict, seconds: float) -> None:
@@ -316,12 +307,7 @@ def bench_served(srv: Server, model: str, bodies: dict, duration: float, points:
             "requests_per_batch": round(per_batch, 1) if per_batch else None,
         }
         out.append(row)
-        log(
-            f"{model} {rows}-row {row['form']} requests, c={c}: {row['requests_per_s']:,} req/s, {row['rows_per_s']:,} rows/s, "
-            f"p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms, errors {errs}, CPU us/request: frontend "
-            f"{row['frontend_cpu_us_per_request']} (JIT {row['frontend_jit_cpu_us_per_request']}), worker {row['worker_cpu_us_per_request']}, "
-            f"client {row['client_cpu_share']} cores"
-        )
+        log(f"{model} c={c}: " + said(row, "model", "concurrency"))
     return out
 
 
@@ -380,12 +366,7 @@ def bench_turns(srv: Server, model, cfg, bodies: dict, turns: int, seconds: floa
             **{form: got[f"{form} c=16"] / got["host B=128"] for form in ("ranking", "columns", "instances")},
         }
         out.append({"turn": turn + 1, "figures": got, "ratios": {k: round(v, 3) for k, v in ratios.items()}})
-        log(
-            f"turn {turn + 1}/{turns}: "
-            + ", ".join(f"{k} {v}" for k, v in got.items())
-            + " -> "
-            + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items())
-        )
+        log(f"turn {turn + 1}/{turns}: {said(got)} -> {said(out[-1]['ratios'])}")
     return out
 
 
@@ -426,6 +407,9 @@ def targets(handler_rows, turns, served_rows=(), cpus=None) -> list[dict]:
         ),
     ]
     host128 = statistics.median(t["figures"]["host B=128"] for t in turns)
+    c16 = {
+        r["form"]: r for r in served_rows if (r["model"], r["rows_per_request"], r["concurrency"]) == ("dlrm", 128, 16)
+    }
     for form in ("ranking", "columns", "instances"):
         out.append(
             served(
@@ -436,17 +420,7 @@ def targets(handler_rows, turns, served_rows=(), cpus=None) -> list[dict]:
                 True,
             )
         )
-        row = next(
-            (
-                r
-                for r in served_rows
-                if r["model"] == "dlrm"
-                and r["form"] == form
-                and r["rows_per_request"] == RANKING_ROWS
-                and r["concurrency"] == 16
-            ),
-            None,
-        )
+        row = c16.get(form)
         if row and cpus:
             out.append(
                 {
@@ -457,11 +431,7 @@ def targets(handler_rows, turns, served_rows=(), cpus=None) -> list[dict]:
                 }
             )
     for form in ("ranking", "columns", "instances", "columns-all", "v2-binary"):
-        h = next(
-            r
-            for r in handler_rows
-            if r["requests"] == 1 and r["rows_per_request"] == RANKING_ROWS and r["form"] == form
-        )
+        h = next(r for r in handler_rows if (r["requests"], r["rows_per_request"], r["form"]) == (1, 128, form))
         out.append(
             {
                 "target": f"parse + collate of one 128-row request ({form} form) <= 0.10 x its forward",
@@ -473,13 +443,9 @@ def targets(handler_rows, turns, served_rows=(), cpus=None) -> list[dict]:
     return out
 
 
-def table(head: str, keys: list[str], rows: list[dict]) -> list[str]:
-    """A markdown table: ``head`` (its columns, "|"-separated), one row per dict, ``keys`` its cells."""
-    return [
-        "| " + head + " |",
-        "|---" + "|---:" * (len(keys) - 1) + "|",
-        *("| " + " | ".join(cell(r.get(k)) for k in keys) + " |" for r in rows),
-    ]
+def table(head: str, keys: str, rows: list[dict]) -> list[str]:
+    """``rows`` as a markdown table: ``head`` (its columns, "|"-separated), ``keys`` (the cells' keys)."""
+    return md_table(head.split(" | "), [[cell(r.get(k)) for k in keys.split()] for r in rows], right=True)
 
 
 def cell(v) -> str:
@@ -498,9 +464,7 @@ def markdown(report) -> str:
         "jit-frozen)",
         "",
     ]
-    lines += table(
-        "batch | rows/s | p50 ms | p99 ms", ["batch", "rows_per_s", "p50_ms", "p99_ms"], report["raw_forward"]
-    )
+    lines += table("batch | rows/s | p50 ms | p99 ms", "batch rows_per_s p50_ms p99_ms", report["raw_forward"])
     paced = report["raw_forward"][0].get("paced_2ms_p50_ms")
     if paced:
         lines += ["", f"Batch 1 with the core idle 2 ms between calls (as at concurrency 1): p50 {paced} ms."]
@@ -508,42 +472,17 @@ def markdown(report) -> str:
     lines += table(
         "requests | rows | form | body bytes | parse | collate | forward | respond | handle() total µs | "
         "overhead / forward | parse + collate / forward",
-        [
-            "requests",
-            "rows_per_request",
-            "form",
-            "body_bytes",
-            "parse_us_per_request",
-            "collate_us_per_request",
-            "forward_us_per_request",
-            "respond_us_per_request",
-            "handle_us",
-            "overhead_share_of_forward",
-            "parse_collate_share_of_forward",
-        ],
+        "requests rows_per_request form body_bytes parse_us_per_request collate_us_per_request forward_us_per_request "
+        "respond_us_per_request handle_us overhead_share_of_forward parse_collate_share_of_forward",
         report["handler"],
     )
     lines += ["", "**3-4. Served** (DLRM handler vs echo handler, same TorchServe settings)", ""]
     lines += table(
         "model | rows/request | form | concurrency | req/s | rows/s | p50 ms | p90 ms | p99 ms | errors | "
         "CPU µs/request: frontend | its JIT | worker | client CPU (cores) | requests/batch",
-        [
-            "model",
-            "rows_per_request",
-            "form",
-            "concurrency",
-            "requests_per_s",
-            "rows_per_s",
-            "p50_ms",
-            "p90_ms",
-            "p99_ms",
-            "errors",
-            "frontend_cpu_us_per_request",
-            "frontend_jit_cpu_us_per_request",
-            "worker_cpu_us_per_request",
-            "client_cpu_share",
-            "requests_per_batch",
-        ],
+        "model rows_per_request form concurrency requests_per_s rows_per_s p50_ms p90_ms p99_ms errors "
+        "frontend_cpu_us_per_request frontend_jit_cpu_us_per_request worker_cpu_us_per_request client_cpu_share "
+        "requests_per_batch",
         report["served"],
     )
     turns = report.get("turns") or []
@@ -631,27 +570,6 @@ def main() -> int:
         "--config", default=str(ROOT / "model-config.criteo.yaml"), help="model config (default: %(default)s)"
     )
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per served load point (default: %(default)s)")
-    ap.add_argument(
-        "--server-warm-up",
-        type=float,
-        default=40.0,
-        help="seconds of load over every served model before the first measured point (default: %(default)s)",
-    )
-    ap.add_argument(
-        "--raw-seconds", type=float, default=4.0, help="seconds per raw/in-process point (default: %(default)s)"
-    )
-    ap.add_argument(
-        "--turns",
-        type=int,
-        default=3,
-        help="turns in which both sides of every served target are measured back to back (default: %(default)s)",
-    )
-    ap.add_argument(
-        "--turn-seconds",
-        type=float,
-        default=4.0,
-        help="seconds per served point in a turn, after a 2 s warm-up (default: %(default)s)",
-    )
     ap.add_argument("--out", help="output folder (default: results/<date>-benchmark/)")
     args = ap.parse_args()
 
@@ -675,8 +593,8 @@ def main() -> int:
         unpack(store / "dlrm.mar", tmp / "model")
         handler = TorchRecDLRMHandler()
         handler.initialize(FakeContext(tmp / "model", ts_doc["handler"]))
-        raw = bench_raw(handler.model, cfg, args.raw_seconds)
-        handler_rows = bench_handler(handler, cfg, args.raw_seconds)
+        raw = bench_raw(handler.model, cfg, RAW_SECONDS)
+        handler_rows = bench_handler(handler, cfg, RAW_SECONDS)
         threads = torch.get_num_threads()
         served_model = handler.model  # the served model, for the raw side of the turns
         del handler
@@ -696,13 +614,11 @@ def main() -> int:
                 for kind in (RANKING_ROWS, RANKING, COLUMNS):
                     status, _, _ = post(f"{srv.url}/predictions/dlrm", bodies[kind][0])
                     assert status == 200, status
-                warm_up_server(srv, models, bodies, args.server_warm_up)
+                warm_up_server(srv, models, bodies, WARM_UP_S)
                 served = bench_served(srv, "dlrm", bodies, args.duration)
                 served += bench_served(srv, "echo", {k: bodies[k] for k in (1, RANKING_ROWS)}, args.duration)
-                log(
-                    f"the served targets' sides back to back: {args.turns} turns of {args.turn_seconds:.0f} s per point"
-                )
-                turns = bench_turns(srv, served_model, cfg, bodies, args.turns, args.turn_seconds, host)
+                log(f"the served targets' sides back to back: {TURNS} turns of {TURN_SECONDS:.0f} s per point")
+                turns = bench_turns(srv, served_model, cfg, bodies, TURNS, TURN_SECONDS, host)
                 workers = len(srv.worker_pids("dlrm"))
         finally:
             host.close()
@@ -716,7 +632,7 @@ def main() -> int:
             "torch_threads": threads,
         },
         "torchserve": {k: ts_doc.get(k) for k in ("batchSize", "maxBatchDelay")}
-        | {"workers": workers, "warm_up_s": args.server_warm_up},
+        | {"workers": workers, "warm_up_s": WARM_UP_S},
         "raw_forward": raw,
         "handler": handler_rows,
         "served": served,

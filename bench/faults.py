@@ -243,8 +243,8 @@ async def signal_worker(b: Bench, name: str, sig: int, times: int, gap: float, b
                 await asyncio.sleep(hold)
                 with contextlib.suppress(ProcessLookupError):  # TorchServe killed it: the expected outcome
                     os.kill(pid, signal.SIGCONT)
-            # Bounded wait until the replacement answers, then on to the next fault.
-            await wait_model_back(b, pid, DEADLINE)
+            with contextlib.suppress(RuntimeError):  # a bounded wait until the replacement answers
+                await asyncio.to_thread(b.srv.wait_ready, MODEL, b.pool[0], DEADLINE)
             await asyncio.sleep(max(0.0, gap - (time.perf_counter() - t)))
 
     rss = b.rss_mb()
@@ -284,20 +284,6 @@ async def signal_worker(b: Bench, name: str, sig: int, times: int, gap: float, b
     within = all(x is not None and lt is not None and x <= lt + bound[1] for x, lt in zip(recoveries, loads))
     check(r, bound[0], within, f"recovery {recoveries} s, load {loads} s")
     return r, faults
-
-
-async def wait_model_back(b: Bench, old_pid: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            pids = await asyncio.to_thread(b.srv.worker_pids, MODEL)
-            if pids and old_pid not in pids:
-                ok, _, _ = await asyncio.to_thread(b.srv.ready, MODEL, b.pool[0], 5.0)
-                if ok:
-                    return
-        except (RuntimeError, OSError):
-            pass
-        await asyncio.sleep(0.2)
 
 
 async def worker_killed(b: Bench) -> dict:
