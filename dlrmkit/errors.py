@@ -67,3 +67,20 @@ class DeltaError(Exception):
         super().__init__(message)
         self.reason = reason
         self.message = message
+
+
+class ServerError(RuntimeError):
+    """500: a forward pass failed: the server's fault, not a request's. Every request of the
+    failed call fails with ``status``; the worker serves the next call as before."""
+
+    status = 500
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class OutOfMemory(ServerError):
+    """507: the forward ran out of memory (host or GPU)."""
+
+    status = 507

@@ -22,7 +22,7 @@ FLOORS: list[set[str]] = [
     {"cpus", "scale"},
     {"model"},
     {"dense", "criteo", "schema", "request", "forms", "protocols", "batch"},
-    {"accuracy", "checkpoint", "live", "stream"},
+    {"accuracy", "checkpoint", "live", "stream", "worker"},
 ]
 # Never imported by a kit module: TorchServe, and what lives outside the package.
 FORBIDDEN = {"ts", "dlrm_handler", "dlrm_factory", "scripts", "bench", "tests", "conftest", "helpers"}

@@ -197,12 +197,12 @@ def test_build_script_rejects_a_mismatched_checkpoint(tmp_path, model):
 
 
 def test_large_batches_are_scored_in_groups_with_the_same_scores(handler, monkeypatch):
-    import dlrm_handler
+    from dlrmkit import worker
 
     reqs = [body({"instances": [instance([k] * 5, feature_0=[k]), instance([0] * 5, feature_1=[k])]}) for k in range(6)]
     reqs.insert(3, body({"instances": [instance([1] * 5, feature_2=[j]) for j in range(7)]}))  # alone > cap
     whole, _ = call(handler, reqs)
-    monkeypatch.setattr(dlrm_handler, "MAX_ROWS_PER_FORWARD", 5)
+    monkeypatch.setattr(worker, "MAX_ROWS_PER_FORWARD", 5)
     groups = handler.preprocess([{"body": r} for r in reqs], FakeContext(Path("."), dict(TINY))).forwards
     assert [sum(b.rows) for b, _ in groups] == [4, 2, 7, 4, 2]
     split, _ = call(handler, reqs)
@@ -237,14 +237,14 @@ def test_a_forward_of_more_than_split_rows_runs_as_parts_on_the_workers_threads(
     scores are the whole forward's. With one CPU it says so."""
     import logging
 
-    import dlrm_handler
     from dlrm_handler import TorchRecDLRMHandler
+    from dlrmkit import worker
 
-    monkeypatch.setattr(dlrm_handler, "available_cpus", lambda: 3)  # as on a 3-CPU host
+    monkeypatch.setattr(worker, "available_cpus", lambda: 3)  # as on a 3-CPU host
     (tmp_path / "dlrm.pt").symlink_to(archived)
     section = {**TINY, "split_rows": 2, "torch_threads": 1}
     h = TorchRecDLRMHandler()
-    with caplog.at_level(logging.INFO, logger="dlrm_handler"):
+    with caplog.at_level(logging.INFO, logger="dlrmkit.worker"):
         h.initialize(FakeContext(tmp_path, section))
     assert "a forward of more than 2 rows split into up to 3 parts at once" in caplog.text
     submitted = []
@@ -263,10 +263,10 @@ def test_a_forward_of_more_than_split_rows_runs_as_parts_on_the_workers_threads(
     call(h, [small], section)
     assert submitted == []  # 1 row: whole, on this thread
 
-    monkeypatch.setattr(dlrm_handler, "available_cpus", lambda: 1)
+    monkeypatch.setattr(worker, "available_cpus", lambda: 1)
     caplog.clear()
     one = TorchRecDLRMHandler()
-    with caplog.at_level(logging.WARNING, logger="dlrm_handler"):
+    with caplog.at_level(logging.WARNING, logger="dlrmkit.worker"):
         one.initialize(FakeContext(tmp_path, section))
     assert one.split_pool is None
     assert "handler.split_rows 2: nothing to split onto (1 CPU(s), 1 torch thread(s) per part)" in caplog.text
@@ -286,10 +286,10 @@ def lifecycle_section(tmp_path: Path) -> dict:
 
 
 def test_close_stops_the_split_pool_the_live_watcher_and_its_writer_process(tmp_path, archived, monkeypatch):
-    import dlrm_handler
     from dlrm_handler import TorchRecDLRMHandler
+    from dlrmkit import worker
 
-    monkeypatch.setattr(dlrm_handler, "available_cpus", lambda: 3)
+    monkeypatch.setattr(worker, "available_cpus", lambda: 3)
     (tmp_path / "dlrm.pt").symlink_to(archived)
     section = lifecycle_section(tmp_path)
     before = set(threading.enumerate())
@@ -319,6 +319,7 @@ def test_close_runs_when_torchserve_closes_the_workers_socket(tmp_path, archived
 import socket, sys
 from pathlib import Path
 import dlrm_handler
+import dlrmkit.worker
 from conftest import FakeContext
 from helpers import wait_until
 from ts.protocol.otf_message_handler import retrieve_msg
@@ -329,7 +330,7 @@ def said(self):
     close(self)
     print("closed:", watcher.is_alive(), writer.poll() is not None, pool._shutdown, flush=True)
 dlrm_handler.TorchRecDLRMHandler.close = said
-dlrm_handler.available_cpus = lambda: 3
+dlrmkit.worker.available_cpus = lambda: 3
 h = dlrm_handler.TorchRecDLRMHandler()
 h.initialize(FakeContext(Path({str(tmp_path)!r}), {lifecycle_section(tmp_path)!r}))
 wait_until(lambda: h.deltas.process.child, lambda child: child is not None)
@@ -338,7 +339,8 @@ frontend, worker = socket.socketpair()
 frontend.close()
 retrieve_msg(worker)
 """
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}  # conftest, helpers; the kit is installed
+    # conftest, helpers, and this tree's kit and handler (ahead of an installed one)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
     run = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env
     )

@@ -1,0 +1,303 @@
+#!/usr/bin/env python
+"""The kit's second front door: an archive served by KServe's own Python model server (kserve 0.21).
+
+    python dlrm_kserve.py --model-path model-store/dlrm.mar            # REST :8080, gRPC :8081
+    python dlrm_kserve.py --model-path /data/store/dlrm --http-port 9080 --grpc-port 9081
+
+``--model-path``: what scripts/build_mar.py built (a .mar: unpacked into a temporary directory) or a
+model directory (scripts/build_big.py's, or an unpacked .mar: loaded where it lies). The same file
+TorchServe serves, no rebuild. The model is served under the archive's model name.
+
+What it answers (docs/kserve-door.md):
+
+* REST, read by the kit's own parsers (dlrmkit.protocols) on routes registered before kserve's, so a
+  body is parsed once and answers are byte for byte the TorchServe door's: KServe v1
+  ``POST /v1/models/<m>:predict``, Open Inference Protocol v2 ``POST /v2/models/<m>/infer`` (JSON
+  and binary tensors), and the kit's ``POST /predictions/<m>`` (its JSON forms, Criteo TSV);
+* gRPC, Open Inference Protocol v2 (kserve's servicer): ``ModelInfer`` with typed contents or
+  ``raw_input_contents``, read by the same parsers; ``ServerLive``, ``ModelReady``, ``ModelMetadata``;
+* kserve's health and metadata: ``/v2/health/live``, ``/v2/models/<m>/ready`` (the model's real
+  state), ``GET /v2/models/<m>`` (the inputs the TorchServe door declares), ``/metrics``.
+
+A bad request gets 400 (413 when too large) and the kit's error body naming the field; over gRPC
+INVALID_ARGUMENT with the same message. kserve's unauthenticated repository routes (load and
+unload, REST and gRPC) are refused. One process for now: ``--workers`` above 1 is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import logging
+import shutil
+import sys
+import tempfile
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from kserve import InferOutput, InferRequest, InferResponse, Model, ModelServer, model_server
+from kserve.errors import InvalidInput, ModelNotReady
+from kserve.model_repository import ModelRepository
+
+from dlrmkit.config import DLRMConfig
+from dlrmkit.errors import RequestError, ServerError
+from dlrmkit.protocols import BINARY_HEADER, OUTPUT, model_metadata, open_request
+from dlrmkit.worker import Worker, form_post, read_model_dir
+
+logger = logging.getLogger(__name__)
+
+DELTA_HEADER = "X-Delta-Sequence"  # as the TorchServe door: the live-update sequence an answer was scored under
+FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
+DOORS: dict[str, DLRMDoor] = {}  # this process's loaded models by name, for the kit's routes
+
+
+def model_dir(path: str | Path) -> tuple[Path, Path | None]:
+    """The model directory of ``path`` and the temporary directory to remove at stop (None when
+    ``path`` is a directory already). A .mar is a zip (build_mar.py stores it uncompressed)."""
+    path = Path(path)
+    if path.is_dir():
+        return path, None
+    if not zipfile.is_zipfile(path):
+        raise SystemExit(f"error: --model-path {path}: not a .mar or a model directory")
+    tmp = Path(tempfile.mkdtemp(prefix="dlrm-mar-"))
+    with zipfile.ZipFile(path) as z:
+        z.extractall(tmp)
+    return tmp, tmp
+
+
+class DLRMDoor(Model):
+    """One archive's model in KServe's model server. ``load`` is idempotent and cheap once loaded
+    (kserve's gRPC ModelInfer calls it again whenever ``healthy()`` is False)."""
+
+    def __init__(self, path: str | Path):
+        self.dir, self._tmp = model_dir(path)
+        self.manifest, self.model_yaml = read_model_dir(self.dir)
+        self.config = DLRMConfig.from_dict(self.model_yaml.get("handler"))  # fails early, naming the key
+        super().__init__(str(self.manifest.get("model", {}).get("modelName", "dlrm")))
+        self.worker: Worker | None = None
+        # Scoring runs off the event loop, one call at a time (as one TorchServe worker), so health
+        # checks and gRPC stay answered during a forward. OpenMP's thread count is per thread: set there.
+        self.pool: ThreadPoolExecutor | None = None
+        atexit.register(self.stop)
+
+    def load(self) -> bool:
+        if self.worker is None:
+            worker = Worker()
+            worker.load(self.dir, self.manifest, self.model_yaml, 0 if torch.cuda.is_available() else None, workers=1)
+            self.pool = ThreadPoolExecutor(1, "dlrm-score", torch.set_num_threads, (worker.threads,))
+            self.worker = worker
+        DOORS[self.name] = self
+        self.ready = True
+        return True
+
+    async def healthy(self) -> bool:
+        return self.ready and self.worker is not None
+
+    def stop(self) -> None:
+        """SIGTERM (kserve unloads every model): the live watcher, the split pool, the scoring thread."""
+        self.ready = False
+        DOORS.pop(self.name, None)
+        worker, self.worker = self.worker, None
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        if worker is not None:
+            worker.close()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def get_input_types(self) -> list[dict]:
+        return model_metadata(self.config)["inputs"]
+
+    def get_output_types(self) -> list[dict]:
+        return model_metadata(self.config)["outputs"]
+
+    async def score(self, req: Any, errors: dict[int, RequestError] | None = None):
+        """One opened request scored on the scoring thread: (its reply, its error or None, the delta sequence)."""
+        worker, pool = self.worker, self.pool
+        if worker is None or pool is None:
+            raise ModelNotReady(self.name)
+        data, sequence = await asyncio.get_running_loop().run_in_executor(pool, worker.score, [req], errors)
+        reply, err = next(worker.replies(data))
+        return reply, err, sequence, data.scores.get(0)
+
+    async def predict(self, payload: InferRequest, headers: dict | None = None) -> InferResponse:
+        """gRPC ModelInfer (REST goes to the kit's routes): the tensors as the kit's v2 body."""
+        worker = self.worker
+        if worker is None:
+            raise ModelNotReady(self.name)
+        body, json_length = grpc_body(payload)
+        req = open_request(body, True, json_length, worker.parser, worker.model_id)
+        reply, err, sequence, row_scores = await self.score(req)
+        if err is not None:
+            raise InvalidInput(err.message)  # INVALID_ARGUMENT, the kit's message naming the field
+        scores = np.asarray(row_scores, dtype=np.float32).reshape(-1, 1)
+        out = InferOutput(OUTPUT, list(scores.shape), "FP32")
+        out.set_data_from_numpy(scores, binary_data=payload.use_binary_outputs)
+        return InferResponse(
+            payload.id or "",
+            self.name,
+            [out],
+            model_version=worker.model_id[1],
+            parameters={"delta_sequence": sequence} if sequence is not None else None,
+            use_binary_outputs=payload.use_binary_outputs,
+            requested_outputs=payload.request_outputs,
+        )
+
+
+def grpc_body(req: InferRequest) -> tuple[bytes, str | None]:
+    """A gRPC ModelInfer request as the kit's OIP v2 REST body and its Inference-Header-Content-Length
+    (None: all JSON): raw_input_contents become the binary tail, typed contents the inputs' data,
+    so dlrmkit.protocols checks sizes, datatypes and ids with the REST messages."""
+    inputs, tail = [], []
+    for t in req.inputs:
+        tensor: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
+        raw = t._raw_data  # kserve 0.21 keeps raw_input_contents here and has no public getter
+        if raw is not None:
+            tensor["parameters"] = {"binary_data_size": len(raw)}
+            tail.append(bytes(raw))
+        else:
+            tensor["data"] = list(t.data or [])
+        inputs.append(tensor)
+    head: dict[str, Any] = {"inputs": inputs}
+    if req.id:
+        head["id"] = req.id
+    if req.request_outputs:
+        head["outputs"] = [{"name": o.name} for o in req.request_outputs]
+    header = msgspec.json.encode(head)
+    return header + b"".join(tail), (str(len(header)) if tail else None)
+
+
+# --- the kit's REST routes, ahead of kserve's (Starlette serves the first match) ---------------
+
+
+async def kit_route(request: Request, model_name: str, model_version: str | None = None) -> Response:
+    """/predictions/<m>, /v1/models/<m>:predict, /v2/models/<m>[/versions/<v>]/infer: the raw body to
+    the kit's parsers; the answer as the TorchServe door gives it."""
+    kserve_route = not request.url.path.startswith("/predictions/")
+    door = DOORS.get(model_name)
+    if door is None or door.worker is None or (model_version is not None and model_version != door.worker.model_id[1]):
+        message = f"Model with name {model_name}{f' version {model_version}' if model_version else ''} does not exist."
+        return JSONResponse({"error": message}, 404)
+    worker, h = door.worker, request.headers
+    content_type = h.get("content-type")
+    errors: dict[int, RequestError] | None = None
+    if (content_type or "").lower().startswith(FORM_TYPES):
+        errors = {0: form_post()}
+    body = await request.body()
+    req = open_request(body or None, kserve_route, h.get(BINARY_HEADER), worker.parser, worker.model_id, content_type)
+    try:
+        reply, err, sequence, _ = await door.score(req, errors)
+    except ServerError as e:  # the server's fault: this request fails with 507 / 500
+        body_ = (
+            {"error": e.message} if kserve_route else {"code": e.status, "type": type(e).__name__, "message": e.message}
+        )
+        return JSONResponse(body_, e.status)
+    headers = dict(reply.header_fields)
+    if sequence is not None:
+        headers[DELTA_HEADER] = str(sequence)
+    if err is not None:
+        logger.info("rejected request on %s (%d): %s", request.url.path, err.status, err.message)
+    return Response(reply.body, err.status if err else 200, headers, reply.content_type)
+
+
+async def refused(request: Request, model_name: str) -> JSONResponse:
+    return JSONResponse({"error": "model load and unload are disabled on this server"}, 403)
+
+
+async def validation_error(request: Request, exc: Exception) -> JSONResponse:
+    """FastAPI's 422 for a body it could not read, as the kit's 400 naming the field."""
+    errors = exc.errors() if isinstance(exc, RequestValidationError) else []
+    message = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg', '')}" for e in errors) or str(exc)
+    return JSONResponse({"error": message}, 400)
+
+
+class Refused(NotImplementedError):
+    """kserve's gRPC interceptor answers a NotImplementedError UNIMPLEMENTED with its ``reason``."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class PinnedRepository(ModelRepository):
+    """kserve's registry with its repository extension refused (REST and gRPC load / unload carry no
+    authentication); the server's own stop still unloads (``stopping``)."""
+
+    stopping = False
+
+    def load(self, name: str) -> bool:
+        raise Refused("model load is disabled on this server")
+
+    def unload(self, name: str) -> None:
+        if not self.stopping:
+            raise Refused("model unload is disabled on this server")
+        super().unload(name)
+
+
+class DoorServer(ModelServer):
+    def stop(self, sig: int) -> None:
+        if isinstance(self.registered_models, PinnedRepository):
+            self.registered_models.stopping = True
+        super().stop(sig)
+
+
+def register_routes(app=model_server.app) -> None:
+    """The kit's routes on kserve's app, before kserve adds its own in ``start`` (module level: a
+    spawned worker process re-imports this file and needs them too)."""
+    for path in (
+        "/predictions/{model_name}",
+        "/v1/models/{model_name}:predict",
+        "/v2/models/{model_name}/infer",
+        "/v2/models/{model_name}/versions/{model_version}/infer",
+    ):
+        app.add_api_route(path, kit_route, methods=["POST"])
+    for path in ("/v2/repository/models/{model_name}/load", "/v2/repository/models/{model_name}/unload"):
+        app.add_api_route(path, refused, methods=["POST"])
+    app.add_exception_handler(RequestValidationError, validation_error)
+
+
+register_routes()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[model_server.parser],  # kserve's own flags (--enable_latency_logging, --log_config_file, ...)
+    )
+    ap.add_argument("--model-path", required=True, help="a .mar or a model directory (scripts/build_mar.py)")
+    ap.add_argument("--http-port", dest="http_port", type=int, default=8080, help="REST port (default: %(default)s)")
+    ap.add_argument("--grpc-port", dest="grpc_port", type=int, default=8081, help="gRPC port (default: %(default)s)")
+    # --workers is kserve's own flag (server processes): only 1 for now
+    args = ap.parse_args(argv)
+    if args.workers != 1:
+        sys.exit(
+            f"error: --workers {args.workers}: this door serves from one process for now (several need the "
+            "model handed to kserve's spawned REST processes); run more pods, or TorchServe for workers"
+        )
+    # The kit's own lines (DLRM loaded ..., rejected request ...) beside kserve's, which configures only its own
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    door = DLRMDoor(args.model_path)
+    door.load()  # kserve registers only models that are ready
+    DoorServer(
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        workers=1,
+        registered_models=PinnedRepository(),
+        enable_grpc=args.enable_grpc,
+    ).start([door])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,359 @@
+"""Integration: the second front door, dlrm_kserve.py: the archive scripts/build_mar.py builds, served
+by a real KServe model server process (kserve 0.21), to clients no one here wrote (tritonclient.http,
+tritonclient.grpc and Triton's own gRPC stubs). Every form scores as the in-process reference; a bad
+request gets its own 400 / INVALID_ARGUMENT naming the field beside a good one that gets its scores."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import ROOT, TINY
+from helpers import instance
+from scripts.tsctl import free_port, get, post, request
+from test_kserve_server import DENSE_ROWS, ROWS, V2_JSON  # the TorchServe door's rows, in every protocol
+
+pytestmark = pytest.mark.integration
+
+TOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The two rows' scores from the in-process model the archive was built from (as test_kserve_server's)."""
+    from conftest import tiny_config
+    from dlrmkit.batch import collate, scores
+    from dlrmkit.forms import RequestParser
+    from dlrmkit.model import DLRMFactory
+
+    config = tiny_config()
+    batch, bad = collate([RequestParser(config).parse(json.dumps({"instances": ROWS}))], config)
+    assert not bad
+    return np.asarray(scores(DLRMFactory(config).random(), batch, config)[0])
+
+
+class Door:
+    def __init__(self, proc: subprocess.Popen, http: int, grpc: int, log):
+        self.proc, self.http, self.grpc, self.log = proc, http, grpc, log
+        self.url = f"http://127.0.0.1:{http}"
+
+    def tail(self) -> str:
+        return self.log.read_text()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def door(tmp_path_factory):
+    from scripts import build_mar
+
+    tmp = tmp_path_factory.mktemp("door")
+    config = tmp / "model-config.yaml"
+    config.write_text(yaml.safe_dump({"minWorkers": 1, "maxWorkers": 1, "handler": TINY}))
+    mar = build_mar.main(["--config", str(config), "--output-dir", str(tmp / "store"), "--force"])
+    http, grpc = free_port(), free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    log = tmp / "door.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "dlrm_kserve.py"), "--model-path", str(mar)]
+            + ["--http-port", str(http), "--grpc-port", str(grpc)],
+            cwd=tmp,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    srv = Door(proc, http, grpc, log)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"the door exited ({proc.returncode}):\n{srv.tail()}"
+            try:
+                if get(srv.url + "/v2/models/dlrm/ready", timeout=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"the door was not ready in 120 s:\n{srv.tail()}"
+            time.sleep(0.3)
+        yield srv
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode is not None
+
+
+def rest(srv, path: str, body: bytes, headers=None):
+    headers = dict(headers or {})
+    status, raw, hdrs = post(srv.url + path, body, headers.pop("Content-Type", "application/json"), headers)
+    return status, raw, {k.lower(): v for k, v in hdrs.items()}
+
+
+TENSORS = {  # the two rows of ROWS as v2 tensors: feature_0 and feature_1 multi-hot, feature_2 as one bag each
+    "dense": DENSE_ROWS,
+    "feature_0.lengths": np.array([2, 1]),
+    "feature_0.values": np.array([3, 4, 5]),
+    "feature_1.lengths": np.array([1, 0], np.int32),
+    "feature_1.values": np.array([7], np.int32),
+    "feature_2.lengths": np.array([0, 1]),
+    "feature_2.values": np.array([1]),
+}
+DTYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64"}
+
+
+def triton_http(srv, binary: bool, tensors=TENSORS):
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{srv.http}", network_timeout=60)
+    inputs = []
+    for name, arr in tensors.items():
+        t = httpclient.InferInput(name, list(arr.shape), DTYPES[arr.dtype])
+        t.set_data_from_numpy(arr, binary_data=binary)
+        inputs.append(t)
+    try:
+        return client.infer(
+            "dlrm", inputs, outputs=[httpclient.InferRequestedOutput("scores", binary_data=binary)], request_id="tc-1"
+        )
+    finally:
+        client.close()
+
+
+def triton_grpc(srv, tensors=TENSORS):
+    """tritonclient.grpc: raw_input_contents (its only way)."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{srv.grpc}")
+    inputs = []
+    for name, arr in tensors.items():
+        t = grpcclient.InferInput(name, list(arr.shape), DTYPES[arr.dtype])
+        t.set_data_from_numpy(arr)
+        inputs.append(t)
+    try:
+        return client.infer("dlrm", inputs, request_id="tg-1", client_timeout=60)
+    finally:
+        client.close()
+
+
+def typed_grpc(srv, tensors=TENSORS):
+    """Typed contents (fp32_contents, int64_contents, ...), through Triton's own generated stubs."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    field = {"FP32": "fp32_contents", "INT32": "int_contents", "INT64": "int64_contents"}
+    req = service_pb2.ModelInferRequest(model_name="dlrm", id="typed-1")
+    for name, arr in tensors.items():
+        t = req.inputs.add(name=name, datatype=DTYPES[arr.dtype], shape=list(arr.shape))
+        getattr(t.contents, field[DTYPES[arr.dtype]]).extend(arr.reshape(-1).tolist())
+    with grpc.insecure_channel(f"127.0.0.1:{srv.grpc}") as channel:
+        return service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(req, timeout=60)
+
+
+def test_every_form_scores_as_the_in_process_reference(door, reference):
+    v1 = json.dumps({"instances": ROWS}).encode()
+    status, raw, hdrs = rest(door, "/predictions/dlrm", v1)
+    assert status == 200 and hdrs["content-type"] == "application/json", raw
+    got = {"predictions": json.loads(raw)["scores"]}
+    status, raw, hdrs = rest(door, "/v1/models/dlrm:predict", v1)
+    assert status == 200 and set(json.loads(raw)) == {"predictions"}, raw
+    got["v1"] = json.loads(raw)["predictions"]
+    status, raw, hdrs = rest(door, "/v2/models/dlrm/infer", json.dumps(V2_JSON).encode())
+    answer = json.loads(raw)
+    assert status == 200 and hdrs["content-type"] == "application/json", raw
+    assert {k: answer[k] for k in ("id", "model_name", "model_version")} == {
+        "id": "req-42",
+        "model_name": "dlrm",
+        "model_version": "1.0",
+    }
+    [out] = answer["outputs"]
+    assert (out["name"], out["datatype"], out["shape"]) == ("scores", "FP32", [2, 1])
+    got["v2_json"] = out["data"]
+    status, raw, _ = rest(door, "/v2/models/dlrm/versions/1.0/infer", json.dumps(V2_JSON).encode())
+    got["v2_version"] = json.loads(raw)["outputs"][0]["data"]
+    for binary in (True, False):
+        result = triton_http(door, binary)
+        assert result.get_response()["id"] == "tc-1"
+        assert ("binary_data_size" in result.get_output("scores").get("parameters", {})) is binary
+        got[f"triton_http_{'binary' if binary else 'json'}"] = result.as_numpy("scores")[:, 0]
+    result = triton_grpc(door)
+    assert result.get_response().id == "tg-1" and result.as_numpy("scores").shape == (2, 1)
+    got["triton_grpc_raw"] = result.as_numpy("scores")[:, 0]
+    typed = typed_grpc(door)
+    assert typed.id == "typed-1" and typed.model_version == "1.0" and list(typed.outputs[0].shape) == [2, 1]
+    got["grpc_typed"] = list(typed.outputs[0].contents.fp32_contents)
+    for name, scores in got.items():
+        assert np.abs(np.asarray(scores, np.float64) - np.asarray(reference, np.float64)).max() <= TOL, (name, scores)
+
+
+def test_binary_v2_answer_is_the_kits_layout(door):
+    """A binary request asking for a binary answer gets the TorchServe door's exact layout: JSON header,
+    then the raw little-endian scores, its length in Inference-Header-Content-Length."""
+    raw = DENSE_ROWS.astype("<f4").tobytes()
+    header = json.dumps(
+        {
+            "inputs": [
+                {"name": "dense", "datatype": "FP32", "shape": [2, 5], "parameters": {"binary_data_size": len(raw)}}
+            ],
+            "parameters": {"binary_data_output": True},
+        }
+    ).encode()
+    status, body, hdrs = rest(
+        door,
+        "/v2/models/dlrm/infer",
+        header + raw,
+        {"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"},
+    )
+    n = int(hdrs["inference-header-content-length"])
+    assert status == 200 and hdrs["content-type"] == "application/octet-stream", body
+    assert json.loads(body[:n]) == {
+        "model_name": "dlrm",
+        "model_version": "1.0",
+        "outputs": [{"name": "scores", "datatype": "FP32", "shape": [2, 1], "parameters": {"binary_data_size": 8}}],
+    }
+    assert np.frombuffer(body[n:], "<f4").shape == (2,)
+
+
+def test_health_readiness_and_metadata_answer_truthfully(door):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{door.grpc}")
+    try:
+        assert client.is_server_live()
+        assert client.is_model_ready("dlrm")
+        with pytest.raises(InferenceServerException) as info:
+            client.is_model_ready("no-such-model")
+        assert info.value.status() == "StatusCode.NOT_FOUND", info.value
+        meta = client.get_model_metadata("dlrm", as_json=True)
+    finally:
+        client.close()
+    inputs = [{"name": "dense", "datatype": "FP32", "shape": [-1, TINY["num_dense_features"]]}] + [
+        {"name": f, "datatype": "INT64", "shape": [-1]} for f in TINY["sparse_features"]
+    ]
+    as_strings = [{**i, "shape": [str(d) for d in i["shape"]]} for i in inputs]  # proto3 int64 in JSON
+    assert meta["name"] == "dlrm" and meta["inputs"] == as_strings
+    assert meta["outputs"] == [{"name": "scores", "datatype": "FP32", "shape": ["-1", "1"]}]
+    assert get(door.url + "/v2/health/live")[:2] == (200, b'{"live":true}')
+    status, body, _ = get(door.url + "/v2/models/dlrm/ready")
+    assert (status, json.loads(body)) == (200, {"name": "dlrm", "ready": True})
+    status, body, _ = get(door.url + "/v2/models/dlrm")
+    assert status == 200 and json.loads(body)["inputs"] == inputs
+
+
+def test_bad_requests_get_400_naming_the_field_beside_a_good_one(door, reference):
+    import grpc
+    from tritonclient.utils import InferenceServerException
+
+    out_of_range = {**TENSORS, "feature_0.values": np.array([3, 4, 25])}
+    short = {**TENSORS, "dense": DENSE_ROWS[:, :4].copy()}
+    calls = {
+        "predictions": lambda: rest(door, "/predictions/dlrm", json.dumps(instance([1, 2])).encode()),
+        "v1": lambda: rest(
+            door, "/v1/models/dlrm:predict", json.dumps({"instances": [ROWS[0], instance([])]}).encode()
+        ),
+        "v2_unknown": lambda: rest(
+            door,
+            "/v2/models/dlrm/infer",
+            json.dumps(
+                {
+                    "inputs": V2_JSON["inputs"][:1]
+                    + [{"name": "feature_9", "datatype": "INT64", "shape": [2], "data": [1, 2]}]
+                }
+            ).encode(),
+        ),
+        "v2_no_shape": lambda: rest(
+            door, "/v2/models/dlrm/infer", json.dumps({"inputs": [{"name": "dense", "datatype": "FP32"}]}).encode()
+        ),
+        "v2_malformed": lambda: rest(door, "/v2/models/dlrm/infer", b'{"inputs": ['),
+        "form": lambda: rest(door, "/predictions/dlrm", b"a=1", {"Content-Type": "application/x-www-form-urlencoded"}),
+        "triton_http_range": lambda: triton_http(door, True, out_of_range),
+        "grpc_raw_range": lambda: triton_grpc(door, out_of_range),
+        "grpc_typed_short": lambda: typed_grpc(door, short),
+        "good": lambda: rest(door, "/v1/models/dlrm:predict", json.dumps({"instances": ROWS}).encode()),
+        "good_grpc": lambda: triton_grpc(door),
+    }
+    results: dict = {}
+
+    def run(name):
+        try:
+            results[name] = calls[name]()
+        except Exception as e:  # checked below, by name
+            results[name] = e
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert set(results) == set(calls)
+
+    def error(name, key="error"):
+        status, raw, hdrs = results[name]
+        assert status == 400 and hdrs["content-type"] == "application/json", (name, status, raw)
+        return json.loads(raw)[key]
+
+    status, raw, _ = results["predictions"]
+    assert (status, json.loads(raw)) == (
+        400,
+        {"code": 400, "type": "BadRequest", "message": "dense: expected 5 numbers, got 2"},
+    )
+    assert error("v1") == "instances[1].dense: expected 5 numbers, got 0"
+    assert error("v2_unknown").startswith("feature_9: unknown input")
+    assert error("v2_no_shape") == "inputs[0].shape: required field is missing"
+    assert error("v2_malformed").startswith("body: expected an inference request in JSON, got malformed JSON")
+    assert error("form", "message").startswith("body: expected JSON with Content-Type: application/json")
+    err = results["triton_http_range"]
+    assert isinstance(err, InferenceServerException) and err.status() == "400", err
+    assert err.message().startswith("feature_0.values[2]: id 25 is out of range for feature 'feature_0'")
+    err = results["grpc_raw_range"]
+    assert isinstance(err, InferenceServerException) and err.status() == "StatusCode.INVALID_ARGUMENT", err
+    assert err.message().startswith("feature_0.values[2]: id 25 is out of range for feature 'feature_0'"), err
+    err = results["grpc_typed_short"]
+    assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+    assert err.details() == "dense: expected FP32 shape [B, 5], got FP32 [2, 4]", err.details()
+    status, raw, _ = results["good"]
+    assert status == 200 and np.abs(np.array(json.loads(raw)["predictions"]) - reference).max() <= TOL
+    assert np.abs(results["good_grpc"].as_numpy("scores")[:, 0] - reference).max() <= TOL
+
+
+def test_the_repository_routes_are_refused_and_the_model_stays(door):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    for verb in ("load", "unload"):
+        status, body, _ = request("POST", f"{door.url}/v2/repository/models/dlrm/{verb}")
+        assert (status, json.loads(body)) == (403, {"error": "model load and unload are disabled on this server"})
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{door.grpc}")
+    try:
+        with pytest.raises(InferenceServerException) as info:
+            client.unload_model("dlrm")
+        assert info.value.status() == "StatusCode.UNIMPLEMENTED", info.value
+        assert "model unload is disabled on this server" in info.value.message(), info.value.message()
+        assert client.is_model_ready("dlrm")
+    finally:
+        client.close()
+
+
+def test_the_command_says_how_and_refuses_several_workers():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "dlrm_kserve.py"), "--model-path", "x.mar", "--workers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert run.returncode == 1 and "error: --workers 2: this door serves from one process" in run.stderr, run.stderr
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "dlrm_kserve.py"), "--help"], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert run.returncode == 0 and "--model-path" in run.stdout and "--grpc-port" in run.stdout, run.stderr
