@@ -34,7 +34,7 @@ from ts.utils.util import PredictionException
 from dlrmkit.batch import Batch, RequestBatch
 from dlrmkit.errors import RequestError, ServerError
 from dlrmkit.protocols import BINARY_HEADER, open_request
-from dlrmkit.worker import Worker, form_post
+from dlrmkit.worker import DELTA_HEADER, Worker, form_post
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,6 @@ URL_PATH = ("url_path",)
 HOST = ("Host", "host", "HOST")
 BINARY_SPELLINGS = (BINARY_HEADER, BINARY_HEADER.lower())
 CONTENT_TYPE = ("Content-Type", "content-type", "Content-type", "CONTENT-TYPE")
-DELTA_HEADER = "X-Delta-Sequence"  # on every answer: the live-update delta sequence its score was made under
 
 
 class TorchRecDLRMHandler(Worker, BaseHandler, ABC):

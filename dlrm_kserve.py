@@ -51,11 +51,10 @@ from kserve.model_repository import ModelRepository
 from dlrmkit.config import DLRMConfig
 from dlrmkit.errors import RequestError, ServerError
 from dlrmkit.protocols import BINARY_HEADER, OUTPUT, model_metadata, open_request
-from dlrmkit.worker import Worker, form_post, read_model_dir
+from dlrmkit.worker import DELTA_HEADER, Worker, form_post, read_model_dir
 
 logger = logging.getLogger(__name__)
 
-DELTA_HEADER = "X-Delta-Sequence"  # as the TorchServe door: the live-update sequence an answer was scored under
 FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
 DOORS: dict[str, DLRMDoor] = {}  # this process's loaded models by name, for the kit's routes
 

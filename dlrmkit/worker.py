@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 # Rows per forward pass at most; a door's batch of requests is split into groups of whole requests.
 # The compiled dense half makes every batch size up to this at worker start (dlrmkit/dense.py).
 MAX_ROWS_PER_FORWARD = dense_half.WARM_ROWS
+DELTA_HEADER = "X-Delta-Sequence"  # on every answer of either door: the live-update sequence it was scored under
 MANIFEST = "MAR-INF/MANIFEST.json"  # in a model directory: the archive's manifest (modelName, serializedFile, ...)
 
 Emit = Callable[..., None]  # dlrmkit.live's metric callback: emit(name, value, unit, **dimensions)
