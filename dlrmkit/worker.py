@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ from dlrmkit.cpus import available_cpus, split_parts, torch_threads
 from dlrmkit.errors import BadRequest, ConfigError, OutOfMemory, RequestError, ServerError
 from dlrmkit.forms import RequestParser
 from dlrmkit.live import DeltaApplier, start_watcher
+from dlrmkit.live.applier import Emit
 from dlrmkit.model import DLRMFactory
 from dlrmkit.protocols import Reply
 from dlrmkit.request import ParsedRequest
@@ -54,8 +55,6 @@ logger = logging.getLogger(__name__)
 MAX_ROWS_PER_FORWARD = dense_half.WARM_ROWS
 DELTA_HEADER = "X-Delta-Sequence"  # on every answer of either door: the live-update sequence it was scored under
 MANIFEST = "MAR-INF/MANIFEST.json"  # in a model directory: the archive's manifest (modelName, serializedFile, ...)
-
-Emit = Callable[..., None]  # dlrmkit.live's metric callback: emit(name, value, unit, **dimensions)
 
 
 def read_model_dir(model_dir: str | Path) -> tuple[dict, dict]:
