@@ -434,19 +434,25 @@ def request_loop(pool: list[bytes]):
     return next_request, errors
 
 
-def measure_load(url: str, pool: list[bytes], rows: int, concurrency: int, duration: float) -> dict:
-    """A 2 s warm-up, then ``duration`` s of closed-loop load: req/s, rows/s, p50, p99, errors."""
+def measure_load(url: str, pool: list[bytes], rows: int, concurrency: int, duration: float, probe=None) -> dict:
+    """A 2 s warm-up, then ``duration`` s of closed-loop load: requests answered, req/s, rows/s,
+    p50, p90, p99, errors and the load generator's share of a CPU. ``probe()`` (counters read
+    around the measured run: CPU, the server's metrics), called just before it, returns a
+    function called just after it with those figures, whose dict joins them."""
     next_request, errors = request_loop(pool)
     asyncio.run(run_load(url, next_request, concurrency, min(2.0, duration), 100_000))
     errors[0] = 0
+    after = probe() if probe else lambda _: {}
     res = asyncio.run(run_load(url, next_request, concurrency, duration, 2_000_000))
-    return {
+    out = {
+        "requests": res.answered,
         "requests_per_s": res.answered / res.wall_s,
         "rows_per_s": res.answered * rows / res.wall_s,
-        "p50_ms": res.percentile(50),
-        "p99_ms": res.percentile(99),
+        **{f"p{q}_ms": res.percentile(q) for q in (50, 90, 99)},
         "errors": errors[0] + res.transport_errors,
+        "client_cpu_share": res.client_cpu_s / res.wall_s,
     }
+    return out | after(out)
 
 
 def frontend_pid(srv: Server) -> int:
