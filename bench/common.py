@@ -567,12 +567,13 @@ def run_dir(script: str, slug: str, title: str, out: str | Path | None = None, a
     return folder
 
 
-def md_table(header: list[str], rows: list[list], right: bool = False) -> list[str]:
+def md_table(header: list[str], rows: list[list], right: bool = False, align: str = "") -> list[str]:
     """A markdown table: ``header`` (the columns' names) and a line per row of cells (None: empty);
-    ``right``: every column but the first aligned right."""
+    ``right``: every column but the first aligned right; ``align``: each column's, ``l`` or ``r``."""
+    align = align or "l" + ("r" if right else "l") * (len(header) - 1)
     return [
         "| " + " | ".join(header) + " |",
-        "|---" + ("|---:" if right else "|---") * (len(header) - 1) + "|",
+        "|" + "".join("---:|" if a == "r" else "---|" for a in align),
         *("| " + " | ".join("" if c is None else str(c) for c in row) + " |" for row in rows),
     ]
 
