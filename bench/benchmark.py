@@ -239,12 +239,9 @@ def warm_up_server(srv: Server, models: list[str], bodies: dict, seconds: float)
     if seconds <= 0:
         return
     log(f"warming TorchServe up: {seconds:.0f} s of load over {len(models)} models")
-    for m in models:
-        for kind in (1, RANKING_ROWS):
-            next_request, _ = request_loop(bodies[kind])
-            asyncio.run(
-                run_load(f"{srv.url}/predictions/{m}", next_request, 16, seconds / (2 * len(models)), 2_000_000)
-            )
+    for m, kind in [(m, kind) for m in models for kind in (1, RANKING_ROWS)]:
+        url, share = f"{srv.url}/predictions/{m}", seconds / (2 * len(models))
+        asyncio.run(run_load(url, request_loop(bodies[kind])[0], 16, share, 2_000_000))
 
 
 def server_counters(srv: Server, model: str):

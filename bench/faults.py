@@ -543,16 +543,11 @@ def table(rows: list[dict]) -> list[str]:
     def rss(x):
         return f"{x['frontend']:.0f} / {x['worker'] or 0:.0f}" if x else ""
 
-    def checks(r):
-        return r.get("skipped") or f"{sum(c['ok'] for c in r['checks'].values())}/{len(r['checks'])}"
+    def cells(r):
+        checks = r.get("skipped") or f"{sum(c['ok'] for c in r['checks'].values())}/{len(r['checks'])}"
+        return [*(r[k] for k in CELLS), r.get("max_wait_s"), rss(r["rss_mb_before"]), rss(r["rss_mb_after"]), checks]
 
-    return md_table(
-        COLUMNS.split(" | "),
-        [
-            [*(r[k] for k in CELLS), r.get("max_wait_s"), rss(r["rss_mb_before"]), rss(r["rss_mb_after"]), checks(r)]
-            for r in rows
-        ],
-    )
+    return md_table(COLUMNS.split(" | "), [cells(r) for r in rows])
 
 
 # In order (overload compares with the baseline's latency).

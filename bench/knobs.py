@@ -144,15 +144,9 @@ def main() -> int:
                 with serving(home, store, {model: bodies[1][0]}, None, 300, cpus, overrides=settings[name][0]) as srv:
                     got = measure(srv, model, bodies, args.duration)
                 runs[n, name].append(got)
-                log(
-                    f"round {r + 1}/{args.rounds} {name} on {n or 'all'} CPU(s): "
-                    + ", ".join(
-                        f"{k} {v['requests_per_s']:,.0f} req/s p99 {v['p99_ms']:.1f} ms"
-                        for k, v in got.items()
-                        if k != "memory"
-                    )
-                    + f"; worker USS {got['memory']['uss']} MB"
-                )
+                uss, pts = got["memory"]["uss"], [(k, v) for k, v in got.items() if k != "memory"]
+                said = ", ".join(f"{k} {v['requests_per_s']:,.0f} req/s p99 {v['p99_ms']:.1f} ms" for k, v in pts)
+                log(f"round {r + 1}/{args.rounds} {name} on {n or 'all'} CPU(s): {said}; worker USS {uss} MB")
 
     report = {
         "config": cfg_path.name,

@@ -102,12 +102,11 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
         with serving(tmp / f"home-{name}", tmp / "store", {name: probe}, env) as srv:
             url = srv.url + mlperf.path(args.form, name)
             procs = lambda: {"frontend": [frontend_pid(srv)], "workers": srv.worker_pids(name)}  # noqa: E731
-            warm = warm_up(
-                lambda s: mlperf.run(url, pool, start / 2, s, min_queries=1, max_seconds=s),
-                frontend_pid(srv),
-                args.warm_up,
-                args.warm_up_max,
-            )
+
+            def warm_load(s: float) -> dict:  # s seconds at half the search's first rate
+                return mlperf.run(url, pool, start / 2, s, min_queries=1, max_seconds=s)
+
+            warm = warm_up(warm_load, frontend_pid(srv), args.warm_up, args.warm_up_max)
 
             def run_once(qps: float, min_queries: int, max_seconds: float) -> dict:
                 out = Path(args.loadgen_dir) / f"{tag}-{qps:.2f}qps.txt"
@@ -142,8 +141,7 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
     host_rows = (before["rows_per_s"] + after["rows_per_s"]) / 2
     best = found["best"] or {"target_qps": 0, "pairs_per_s": 0, "p99_ms": None}
     row = {"config": cfg_path.name, "variant": variant, "form": args.form, "overlay": items, "dense": dense}
-    row["split_pairs"] = split
-    row.update(workers=workers, warm_up=warm)
+    row.update(split_pairs=split, workers=workers, warm_up=warm)
     row.update(batch_size=doc.get("batchSize"), pairs_mean=round(mean_pairs, 1), host_before=before, host_after=after)
     row.update(host_rows_per_s=round(host_rows), cpus=before["cpus"], runs=found["runs"], valid_qps=best["target_qps"])
     row.update(
@@ -202,17 +200,11 @@ def _stage_ms(model, cfg, query: mlperf.Query, form: str, reps: int) -> dict[str
     from dlrmkit.forms import RequestParser
     from dlrmkit.protocols import open_request
 
-    parser, times = RequestParser(cfg), {k: [] for k in STAGES}
+    times, h = {k: [] for k in STAGES}, query.headers
+    how = (form == "v2-binary", h.get(mlperf.BINARY_HEADER), RequestParser(cfg), ("m", "1"), h.get("Content-Type"))
     for i in range(reps + 1):  # the first is a warm-up
         t0 = time.perf_counter()
-        req = open_request(
-            query.body,
-            form == "v2-binary",
-            query.headers.get(mlperf.BINARY_HEADER),
-            parser,
-            ("m", "1"),
-            query.headers.get("Content-Type"),
-        )
+        req = open_request(query.body, *how)
         parsed = req.parse()
         t1 = time.perf_counter()
         batch, bad = collate([parsed], cfg)
@@ -368,13 +360,11 @@ def label(row: dict) -> str:
 
 def markdown(report: dict) -> list[str]:
     m, bound = report["machine"], mlperf.P99_BOUND_MS
-    split = (
-        "; a variant marked `split N`: a query of more than N pairs goes as ceil(pairs / N) requests of nearly equal "
-        "size at once, done when all are answered (the load generator's doing: a client spreading a large query "
-        "over the workers)"
-        if any(r.get("split_pairs") for r in report["rows"])
-        else ""
-    )
+    split = ""
+    if any(r.get("split_pairs") for r in report["rows"]):
+        split = "; a variant marked `split N`: a query of more than N pairs goes as ceil(pairs / N) requests of "
+        split += "nearly equal size at once, done when all are answered (the load generator's doing: a client "
+        split += "spreading a large query over the workers)"
     lines = [
         f"**Server scenario under MLPerf LoadGen** ({m['cpu']}, {m['available_cpus']} CPUs, ISA {m['isa']}, torch's "
         f"kernels {m['isa_served']}; load average {m['load_average_at_start'][0]} at the start, "
