@@ -277,7 +277,7 @@ def bench_served(srv: Server, model: str, bodies: dict, duration: float) -> list
     for kind, c in [(k, c) for k in bodies for c in CONCURRENCY]:
         row = {"model": model, "rows_per_request": rows_of(kind), "form": form_of(kind), "concurrency": c}
         url = f"{srv.url}/predictions/{model}"
-        got = measure_load(url, bodies[kind], row["rows_per_request"], c, duration, lambda: server_counters(srv, model))
+        got = measure_load(url, bodies[kind], rows_of(kind), c, duration, lambda: server_counters(srv, model))
         row |= got | {
             "requests_per_s": round(got["requests_per_s"], 1),
             "rows_per_s": round(got["rows_per_s"]),
