@@ -57,7 +57,6 @@ from bench.common import (
     jit_cpu_since,
     log,
     machine,
-    make_body,
     make_kind,
     md_table,
     measure_load,
@@ -79,11 +78,6 @@ CONCURRENCY = (1, 16, 64)
 RAW_SECONDS = 4.0  # per raw / in-process point
 WARM_UP_S = 40.0  # of load over every served model before the first measured point
 TURNS, TURN_SECONDS = 3, 4.0  # both sides of every served target back to back; seconds per point in a turn
-
-
-def v2_header_length(body: bytes) -> int:
-    """The length of a v2 binary body's JSON header (what Inference-Header-Content-Length says)."""
-    return json.JSONDecoder().raw_decode(body.decode("latin-1"))[1]
 
 
 def said(row: dict, *skip: str) -> str:
@@ -135,20 +129,9 @@ def bench_handler(handler, cfg, seconds: float) -> list[dict]:
     """Whole handle() per batch, plus the same core stages timed one by one."""
     rng = random.Random(2)
     # 10 x 128 rows: as TorchServe batches ranking requests at c=16 (~10 per batch, section 3)
-    raw = ((1, CRITEO_TSV),) if cfg.raw.raw_input == "criteo_tsv" else ()
-    points = (
-        (1, 1),
-        (1, RANKING_ROWS),
-        (1, RANKING),
-        (1, COLUMNS),
-        (1, COLUMNS_ALL),
-        *raw,
-        (1, V2_BINARY),
-        (32, 1),
-        (32, RANKING_ROWS),
-        (10, RANKING),
-        (10, COLUMNS),
-    )
+    raw = (CRITEO_TSV,) if cfg.raw.raw_input == "criteo_tsv" else ()
+    points = [(1, k) for k in (1, RANKING_ROWS, RANKING, COLUMNS, COLUMNS_ALL, *raw, V2_BINARY)]
+    points += [(32, 1), (32, RANKING_ROWS), (10, RANKING), (10, COLUMNS)]
     return [
         handler_point(handler, cfg, n_req, kind, [make_kind(kind, cfg, rng) for _ in range(n_req)], seconds)
         for n_req, kind in points
@@ -165,7 +148,7 @@ def handler_point(handler, cfg, n_req: int, kind, bodies: list, seconds: float) 
 
     data, ctx, headers, parse = [{"body": b} for b in bodies], FakeContext(".", None), {}, handler.parser.parse
     if kind == V2_BINARY:  # as on KServe's v2 route: a Host header, no url_path
-        length = str(v2_header_length(bodies[0]))
+        length = str(json.JSONDecoder().raw_decode(bodies[0].decode("latin-1"))[1])  # the JSON header's
         headers, ctx.kserve = {"Host": "127.0.0.1", BINARY_HEADER: length}, set(range(n_req))
 
         def parse(b):
@@ -256,55 +239,49 @@ def warm_up_server(srv: Server, models: list[str], bodies: dict, seconds: float)
     if seconds <= 0:
         return
     log(f"warming TorchServe up: {seconds:.0f} s of load over {len(models)} models")
-    for m in models:
-        for kind in (1, RANKING_ROWS):
-            next_request, _ = request_loop(bodies[kind])
-            asyncio.run(
-                run_load(f"{srv.url}/predictions/{m}", next_request, 16, seconds / (2 * len(models)), 2_000_000)
-            )
+    for m, kind in [(m, kind) for m in models for kind in (1, RANKING_ROWS)]:
+        url, share = f"{srv.url}/predictions/{m}", seconds / (2 * len(models))
+        asyncio.run(run_load(url, request_loop(bodies[kind])[0], 16, share, 2_000_000))
 
 
-def bench_served(srv: Server, model: str, bodies: dict, duration: float, points: list | None = None) -> list[dict]:
-    """Each (request kind, concurrency) point, by default every kind in ``bodies`` (1 and
-    RANKING_ROWS: instances; RANKING, COLUMNS: those forms) at every concurrency."""
-    out = []
-    for kind, c in points or [(k, c) for k in bodies for c in CONCURRENCY]:
-        pool = bodies[kind]
-        rows = rows_of(kind)
-        url = f"{srv.url}/predictions/{model}"
-        next_request, errors = request_loop(pool)
-        asyncio.run(run_load(url, next_request, c, min(2.0, duration), 100_000))  # a warm-up, then the measured run
-        errors[0] = 0
-        procs = {"frontend": [frontend_pid(srv)], "worker": srv.worker_pids(model)}
-        batches0 = (metric_value(srv, model, "dlrm_batches_total"), metric_value(srv, model, "dlrm_requests_total"))
-        cpu0 = {k: cpu_seconds(v) for k, v in procs.items()}
-        jit0 = jit_cpu_seconds(procs["frontend"][0])
-        res = asyncio.run(run_load(url, next_request, c, duration, 2_000_000))
-        cpu = {k: cpu_seconds(v) - cpu0[k] for k, v in procs.items()}
-        jit_s = jit_cpu_since(procs["frontend"][0], jit0)
-        batches = metric_value(srv, model, "dlrm_batches_total") - batches0[0]
-        per_batch = (metric_value(srv, model, "dlrm_requests_total") - batches0[1]) / batches if batches else None
-        errs = errors[0] + res.transport_errors
-        row = {
-            "model": model,
-            "rows_per_request": rows,
-            "form": form_of(kind),
-            "concurrency": c,
-            "requests": res.answered,
-            "requests_per_s": round(res.answered / res.wall_s, 1),
-            "rows_per_s": round(res.answered * rows / res.wall_s),
-            "p50_ms": round(res.percentile(50), 2),
-            "p90_ms": round(res.percentile(90), 2),
-            "p99_ms": round(res.percentile(99), 2),
-            "errors": errs,
-            "client_cpu_share": round(res.client_cpu_s / res.wall_s, 2),
+def server_counters(srv: Server, model: str):
+    """A ``measure_load`` probe: the frontend's and the worker's CPU, the frontend JVM's JIT
+    compiler threads' and the handler's batch counters, per request answered over the run."""
+    procs = {"frontend": [frontend_pid(srv)], "worker": srv.worker_pids(model)}
+    names = ("dlrm_batches_total", "dlrm_requests_total")
+    counts0, cpu0 = [metric_value(srv, model, n) for n in names], {k: cpu_seconds(v) for k, v in procs.items()}
+    jit0 = jit_cpu_seconds(procs["frontend"][0])
+
+    def after(got: dict) -> dict:
+        per_request = {k: cpu_seconds(v) - cpu0[k] for k, v in procs.items()}
+        per_request["jit"] = jit_cpu_since(procs["frontend"][0], jit0)
+        us = {k: round(v / max(1, got["requests"]) * 1e6) for k, v in per_request.items()}
+        batches, requests = (metric_value(srv, model, n) - c for n, c in zip(names, counts0))
+        return {
             # CPU time per answered request: where the two cores go
-            "frontend_cpu_us_per_request": round(cpu["frontend"] / max(1, res.answered) * 1e6),
+            "frontend_cpu_us_per_request": us["frontend"],
             # of which the JVM's JIT compiler threads: still warming up if large
-            "frontend_jit_cpu_us_per_request": round(jit_s / max(1, res.answered) * 1e6),
-            "worker_cpu_us_per_request": round(cpu["worker"] / max(1, res.answered) * 1e6),
+            "frontend_jit_cpu_us_per_request": us["jit"],
+            "worker_cpu_us_per_request": us["worker"],
             # from the handler's own metrics (dlrm only): is TorchServe batching?
-            "requests_per_batch": round(per_batch, 1) if per_batch else None,
+            "requests_per_batch": round(requests / batches, 1) if batches and requests else None,
+        }
+
+    return after
+
+
+def bench_served(srv: Server, model: str, bodies: dict, duration: float) -> list[dict]:
+    """Each (request kind, concurrency) point: every kind in ``bodies`` (1 and RANKING_ROWS:
+    instances; RANKING, COLUMNS: those forms) at every concurrency."""
+    out = []
+    for kind, c in [(k, c) for k in bodies for c in CONCURRENCY]:
+        row = {"model": model, "rows_per_request": rows_of(kind), "form": form_of(kind), "concurrency": c}
+        url = f"{srv.url}/predictions/{model}"
+        got = measure_load(url, bodies[kind], rows_of(kind), c, duration, lambda: server_counters(srv, model))
+        row |= got | {
+            "requests_per_s": round(got["requests_per_s"], 1),
+            "rows_per_s": round(got["rows_per_s"]),
+            **{k: round(got[k], 2) for k in ("p50_ms", "p90_ms", "p99_ms", "client_cpu_share")},
         }
         out.append(row)
         log(f"{model} c={c}: " + said(row, "model", "concurrency"))
@@ -355,11 +332,8 @@ def bench_turns(srv: Server, model, cfg, bodies: dict, turns: int, seconds: floa
                 res = measure_load(f"{srv.url}/predictions/{served}", bodies[kind], rows_of(kind), c, seconds)
                 if res["errors"]:
                     raise SystemExit(f"{name}: {res['errors']} requests failed")
-                got[name] = (
-                    round(res["p50_ms"], 3)
-                    if c == 1
-                    else round(res["rows_per_s"] if kind != 1 else res["requests_per_s"])
-                )
+                key = "p50_ms" if c == 1 else "requests_per_s" if kind == 1 else "rows_per_s"
+                got[name] = round(res[key], 3 if c == 1 else None)
         ratios = {
             "c1": got["dlrm c=1"] / (got["echo c=1"] + got["raw B=1 paced"]),
             "c64": got["dlrm c=64"] * (1 / got["echo c=64"] + 1 / got["raw B=32"]),
@@ -390,7 +364,7 @@ def targets(handler_rows, turns, served_rows=(), cpus=None) -> list[dict]:
     range. Context rows (no bound): the ranking forms' CPU ceiling (cpu_ceiling, from part 3's
     CPU per request)."""
 
-    def served(key, target, bound, higher_is_better):
+    def served(key, target, bound, higher_is_better=True):
         values = [t["ratios"][key] for t in turns]
         return {
             "target": f"{target} (median of {len(values)} turns)",
@@ -402,43 +376,24 @@ def targets(handler_rows, turns, served_rows=(), cpus=None) -> list[dict]:
 
     out = [
         served("c1", "c=1 single row: p50 <= 1.2 x (echo p50 + raw forward p50 at B=1, paced 2 ms)", 1.2, False),
-        served(
-            "c64", "single-row c=64: served req/s >= 0.85 x 1 / (1/echo c=64 req/s + 1/raw rows/s at B=32)", 0.85, True
-        ),
+        served("c64", "single-row c=64: served req/s >= 0.85 x 1 / (1/echo c=64 req/s + 1/raw rows/s at B=32)", 0.85),
     ]
     host128 = statistics.median(t["figures"]["host B=128"] for t in turns)
     c16 = {
         r["form"]: r for r in served_rows if (r["model"], r["rows_per_request"], r["concurrency"]) == ("dlrm", 128, 16)
     }
+    ceiling = "the forward's CPU / all the CPU per request at part 3's c=16 point (frontend + worker + load generator)"
     for form in ("ranking", "columns", "instances"):
-        out.append(
-            served(
-                form,
-                f"ranking (128 rows, {form} form) c=16: served rows/s >= 0.75 x the host's raw forward "
-                f"rows/s at B=128 (all CPUs)",
-                0.75,
-                True,
-            )
-        )
-        row = c16.get(form)
-        if row and cpus:
-            out.append(
-                {
-                    "target": f"context: the ceiling of that ratio on this host ({form} form): the forward's CPU / all "
-                    "the CPU per request at part 3's c=16 point (frontend + worker + load generator)",
-                    "value": round(cpu_ceiling(row, host128, cpus), 3),
-                    "bound": None,
-                }
-            )
+        text = f"ranking (128 rows, {form} form) c=16: served rows/s >= 0.75 x the host's raw forward rows/s at B=128"
+        out.append(served(form, text + " (all CPUs)", 0.75))
+        if (row := c16.get(form)) and cpus:
+            text = f"context: the ceiling of that ratio on this host ({form} form): {ceiling}"
+            out.append({"target": text, "value": round(cpu_ceiling(row, host128, cpus), 3), "bound": None})
     for form in ("ranking", "columns", "instances", "columns-all", "v2-binary"):
         h = next(r for r in handler_rows if (r["requests"], r["rows_per_request"], r["form"]) == (1, 128, form))
+        text = f"parse + collate of one 128-row request ({form} form) <= 0.10 x its forward"
         out.append(
-            {
-                "target": f"parse + collate of one 128-row request ({form} form) <= 0.10 x its forward",
-                "value": h["parse_collate_share_of_forward"],
-                "bound": 0.10,
-                "higher_is_better": False,
-            }
+            {"target": text, "value": h["parse_collate_share_of_forward"], "bound": 0.10, "higher_is_better": False}
         )
     return out
 
@@ -493,35 +448,26 @@ def markdown(report) -> str:
             "other turn; p50 ms at c=1, req/s for single rows at c=64, rows/s for the 128-row forms and the raw "
             "forward)",
             "",
-            "| | " + " | ".join(f"turn {t['turn']}" for t in turns) + " |",
-            "|---|" + "---:|" * len(turns),
         ]
-        lines += [
-            f"| {name} | " + " | ".join(f"{t['figures'][name]:,}" for t in turns) + " |" for name in turns[0]["figures"]
-        ]
-        lines += [
-            f"| ratio: {name} | " + " | ".join(str(t["ratios"][name]) for t in turns) + " |"
-            for name in turns[0]["ratios"]
-        ]
+        cells = [[name, *(f"{t['figures'][name]:,}" for t in turns)] for name in turns[0]["figures"]]
+        cells += [[f"ratio: {name}", *(t["ratios"][name] for t in turns)] for name in turns[0]["ratios"]]
+        lines += md_table(["", *(f"turn {t['turn']}" for t in turns)], cells, right=True)
         cpus = m.get("available_cpus", m["cpus"])
         per_core = {
             name: statistics.median(t["figures"][name] for t in turns) / cpus
             for name in ("host B=128", "ranking c=16", "columns c=16", "instances c=16")
         }
-        lines += [
-            "",
-            f"Per core ({cpus} CPUs, medians over the turns): "
-            + ", ".join(f"{name} {v:,.0f} rows/s" for name, v in per_core.items())
-            + ".",
-        ]
-    lines += ["", "**Targets**", "", "| target | measured | range over turns | bound | |", "|---|---:|---:|---:|---|"]
-    for t in report["targets"]:
-        span = "-".join(map(str, t["range"])) if "range" in t else ""
-        ok = t["bound"] is not None and (
-            t["value"] >= t["bound"] if t["higher_is_better"] else t["value"] <= t["bound"]
-        )
-        verdict = "context" if t["bound"] is None else "met" if ok else "missed"
-        lines.append(f"| {t['target']} | {t['value']} | {span} | {t['bound'] or ''} | {verdict} |")
+        per_core_text = ", ".join(f"{name} {v:,.0f} rows/s" for name, v in per_core.items())
+        lines += ["", f"Per core ({cpus} CPUs, medians over the turns): {per_core_text}."]
+
+    def target_row(t: dict) -> list:  # a bound met or missed; no bound: context
+        v, b, span = t["value"], t["bound"], "-".join(map(str, t.get("range", ())))
+        ok = b is not None and (v >= b if t["higher_is_better"] else v <= b)
+        return [t["target"], v, span, b, "context" if b is None else "met" if ok else "missed"]
+
+    cells = [target_row(t) for t in report["targets"]]
+    lines += ["", "**Targets**", ""]
+    lines += md_table(["target", "measured", "range over turns", "bound", ""], cells, right=True)
     return "\n".join(lines) + "\n"
 
 
@@ -540,15 +486,9 @@ def plot(report, path: Path) -> None:
         (RANKING_ROWS, "ranking", "v--"),
         (RANKING_ROWS, "columns", "d--"),
     ):
-        pts = [
-            r for r in report["served"] if r["model"] == "dlrm" and r["rows_per_request"] == rows and r["form"] == form
-        ]
-        axes[0].plot(
-            [r["concurrency"] * rows for r in pts],
-            [r["rows_per_s"] for r in pts],
-            style,
-            label=f"served, {rows}-row {form} requests (x: rows in flight)",
-        )
+        pts = [r for r in report["served"] if (r["model"], r["rows_per_request"], r["form"]) == ("dlrm", rows, form)]
+        label = f"served, {rows}-row {form} requests (x: rows in flight)"
+        axes[0].plot([r["concurrency"] * rows for r in pts], [r["rows_per_s"] for r in pts], style, label=label)
     axes[0].set(xscale="log", xlabel="batch (rows)", ylabel="rows/s", title="Rows per second")
     axes[0].legend(fontsize=7, loc="upper left")
     for ax, key, title in (
@@ -602,12 +542,8 @@ def main() -> int:
         host = HostForward(cfg_path, tmp / "model", served_model, cfg)
 
         rng = random.Random(3)
-        bodies = {
-            1: [make_body(cfg, rng, 1) for _ in range(256)],
-            RANKING_ROWS: [make_body(cfg, rng, RANKING_ROWS) for _ in range(16)],
-            RANKING: [make_body(cfg, rng, RANKING_ROWS, RANKING) for _ in range(16)],
-            COLUMNS: [make_body(cfg, rng, RANKING_ROWS, COLUMNS) for _ in range(16)],
-        }
+        kinds = (1, RANKING_ROWS, RANKING, COLUMNS)
+        bodies = {k: [make_kind(k, cfg, rng) for _ in range(256 if k == 1 else 16)] for k in kinds}
         models = ["dlrm", "echo"]
         try:
             with serving(tmp / "home", store, {m: bodies[1][0] for m in models}) as srv:

@@ -434,19 +434,25 @@ def request_loop(pool: list[bytes]):
     return next_request, errors
 
 
-def measure_load(url: str, pool: list[bytes], rows: int, concurrency: int, duration: float) -> dict:
-    """A 2 s warm-up, then ``duration`` s of closed-loop load: req/s, rows/s, p50, p99, errors."""
+def measure_load(url: str, pool: list[bytes], rows: int, concurrency: int, duration: float, probe=None) -> dict:
+    """A 2 s warm-up, then ``duration`` s of closed-loop load: requests answered, req/s, rows/s,
+    p50, p90, p99, errors and the load generator's share of a CPU. ``probe()`` (counters read
+    around the measured run: CPU, the server's metrics), called just before it, returns a
+    function called just after it with those figures, whose dict joins them."""
     next_request, errors = request_loop(pool)
     asyncio.run(run_load(url, next_request, concurrency, min(2.0, duration), 100_000))
     errors[0] = 0
+    after = probe() if probe else lambda _: {}
     res = asyncio.run(run_load(url, next_request, concurrency, duration, 2_000_000))
-    return {
+    out = {
+        "requests": res.answered,
         "requests_per_s": res.answered / res.wall_s,
         "rows_per_s": res.answered * rows / res.wall_s,
-        "p50_ms": res.percentile(50),
-        "p99_ms": res.percentile(99),
+        **{f"p{q}_ms": res.percentile(q) for q in (50, 90, 99)},
         "errors": errors[0] + res.transport_errors,
+        "client_cpu_share": res.client_cpu_s / res.wall_s,
     }
+    return out | after(out)
 
 
 def frontend_pid(srv: Server) -> int:
@@ -561,12 +567,13 @@ def run_dir(script: str, slug: str, title: str, out: str | Path | None = None, a
     return folder
 
 
-def md_table(header: list[str], rows: list[list], right: bool = False) -> list[str]:
+def md_table(header: list[str], rows: list[list], right: bool = False, align: str = "") -> list[str]:
     """A markdown table: ``header`` (the columns' names) and a line per row of cells (None: empty);
-    ``right``: every column but the first aligned right."""
+    ``right``: every column but the first aligned right; ``align``: each column's, ``l`` or ``r``."""
+    align = align or "l" + ("r" if right else "l") * (len(header) - 1)
     return [
         "| " + " | ".join(header) + " |",
-        "|---" + ("|---:" if right else "|---") * (len(header) - 1) + "|",
+        "|" + "".join("---:|" if a == "r" else "---|" for a in align),
         *("| " + " | ".join("" if c is None else str(c) for c in row) + " |" for row in rows),
     ]
 

@@ -22,7 +22,6 @@ import io
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -94,8 +93,9 @@ class Bench:
         self.mount_error = f"mount failed: {mounted.stderr.strip()}"
         self.srv = Server.on_free_ports(tmp / "home", model_store=self.store, log_dir=logs)
         self.wall_offset = time.time() - time.perf_counter()  # perf_counter -> wall clock (logs)
+        self.normal_p50 = 0.0  # ms: the baseline's median latency, once measured
 
-    def load(self, concurrency: int, duration: float, stop: asyncio.Event | None = None):
+    async def load(self, concurrency: int, duration: float, stop: asyncio.Event | None = None):
         """A closed-loop load of pool requests; returns (LoadResult, wrong-score count)."""
         wrong = [0]
 
@@ -108,14 +108,11 @@ class Bench:
 
             return self.pool[k], check
 
-        async def go():
-            url = f"{self.srv.url}/predictions/{MODEL}"
-            res = await run_load(
-                url, next_request, concurrency, duration, 10**7, deadline_s=DEADLINE, record=True, stop=stop
-            )
-            return res, wrong[0]
-
-        return go()
+        url = f"{self.srv.url}/predictions/{MODEL}"
+        res = await run_load(
+            url, next_request, concurrency, duration, 10**7, deadline_s=DEADLINE, record=True, stop=stop
+        )
+        return res, wrong[0]
 
     def rss_mb(self) -> dict:
         """Resident memory of the frontend (Java) and the worker, MB."""
@@ -126,17 +123,16 @@ class Bench:
 
     def logged_after(self, t_perf: float, needle: str) -> float | None:
         """When TorchServe first logged a line holding ``needle`` at or after ``t_perf`` (both perf_counter)."""
-        wall = t_perf + self.wall_offset - 0.01  # the log has millisecond times
+        wall = t_perf + self.wall_offset - 0.01  # the log has millisecond times: 2024-05-01T12:00:00,123
         for line in (self.srv.log_dir / "ts_log.log").read_text(errors="replace").splitlines():
-            m = needle in line and re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d,\d{3}) ", line)
-            if m and (t := datetime.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S,%f").timestamp()) >= wall:
-                return t - self.wall_offset
+            with contextlib.suppress(ValueError):  # not a timed line
+                if needle in line and (t := datetime.strptime(line[:23], "%Y-%m-%dT%H:%M:%S,%f").timestamp()) >= wall:
+                    return t - self.wall_offset
         return None
 
     def load_time_after(self, t_perf: float) -> float | None:
-        """The load time of the first worker started after ``t_perf``, from TorchServe's own log: the
-        worker command line is logged when the process is spawned, WORKER_MODEL_LOADED once initialize
-        returned."""
+        """The load time of the first worker started after ``t_perf``, from TorchServe's log: from its
+        spawn (its command line logged) to WORKER_MODEL_LOADED (initialize returned)."""
         start = self.logged_after(t_perf, "Worker cmdline")
         done = None if start is None else self.logged_after(start, "-> WORKER_MODEL_LOADED")
         return None if done is None else round(done - start, 2)
@@ -199,10 +195,11 @@ def first_ok_sent_after(res: LoadResult, t: float) -> float | None:
 # --- scenarios ---------------------------------------------------------------------------------
 
 
-async def under_load(b: Bench, fault, lead: float = 2.0, tail: float = 2.0, concurrency: int = CONCURRENCY):
+async def under_load(b: Bench, name: str, fault, lead=2.0, tail=2.0, concurrency=CONCURRENCY, rss=True):
     """The steady load from ``lead`` s before ``fault()`` until ``tail`` s after it returned (or
-    raised); returns (LoadResult, wrong scores, what ``fault()`` returned)."""
-    stop = asyncio.Event()
+    raised), memory measured before and after (``rss``); returns (the scenario's row, its
+    LoadResult, what ``fault()`` returned)."""
+    stop, rss_before = asyncio.Event(), b.rss_mb() if rss else None
 
     async def run():
         await asyncio.sleep(lead)
@@ -213,10 +210,11 @@ async def under_load(b: Bench, fault, lead: float = 2.0, tail: float = 2.0, conc
             stop.set()
 
     (res, wrong), out = await asyncio.gather(b.load(concurrency, 3600, stop), run())
-    return res, wrong, out
+    return scenario_row(b, name, res, wrong, rss_before), res, out
 
 
 async def baseline(b: Bench) -> dict:
+    log(f"  baseline: c={CONCURRENCY} for {b.p.baseline} s")
     rss = b.rss_mb()
     res, wrong = await b.load(CONCURRENCY, b.p.baseline)
     r = scenario_row(b, "baseline", res, wrong, rss, worker_load_s=b.load_time_after(float("-inf")))
@@ -247,25 +245,15 @@ async def signal_worker(b: Bench, name: str, sig: int, times: int, gap: float, b
                 await asyncio.to_thread(b.srv.wait_ready, MODEL, b.pool[0], DEADLINE)
             await asyncio.sleep(max(0.0, gap - (time.perf_counter() - t)))
 
-    rss = b.rss_mb()
-    res, wrong, _ = await under_load(b, inject)
-    recoveries, loads, in_hands, windows = [], [], [], []
-    for t, _pid in faults:
-        back = first_ok_sent_after(res, t)
-        recoveries.append(round(back - t, 2) if back else None)
-        loads.append(b.load_time_after(t))
-        # The worker's hands: sent before TorchServe noticed the fault (a batch it handed on to
-        # the dead worker) and answered after the fault.
-        seen = (b.logged_after(t, "Worker disconnected") or t) + 0.05  # the log has millisecond times
-        windows.append((t, seen))
-        in_hands.append(sum(1 for s, d, status in failed(res) if s <= seen and d >= t))
+    r, res, _ = await under_load(b, name, inject)
+    recoveries = [round(back - t, 2) if (back := first_ok_sent_after(res, t)) else None for t, _ in faults]
+    loads = [b.load_time_after(t) for t, _ in faults]
+    # The worker's hands: sent before TorchServe noticed the fault (a batch it handed on to the
+    # dead worker) and answered after the fault; + 0.05 s: the log has millisecond times.
+    windows = [(t, (b.logged_after(t, "Worker disconnected") or t) + 0.05) for t, _ in faults]
+    in_hands = [sum(1 for s, d, _ in failed(res) if s <= seen and d >= t) for t, seen in windows]
     t1 = faults[0][0]
-    r = scenario_row(
-        b,
-        name,
-        res,
-        wrong,
-        rss,
+    r.update(
         recovery_s=max((x for x in recoveries if x is not None), default=None),
         recoveries_s=recoveries,
         worker_load_s=loads,
@@ -314,15 +302,9 @@ async def server_restarted(b: Bench) -> dict:
         await asyncio.to_thread(b.srv.wait_ready, MODEL, b.pool[0], 180)
         marks["ready"] = time.perf_counter()
 
-    rss = b.rss_mb()
-    res, wrong, _ = await under_load(b, restart)
+    r, res, _ = await under_load(b, "server restarted", restart)
     back = first_ok_sent_after(res, marks["stopped"])
-    r = scenario_row(
-        b,
-        "server restarted",
-        res,
-        wrong,
-        rss,
+    r.update(
         recovery_s=round(back - marks["stop"], 2) if back else None,
         stop_s=round(marks["stopped"] - marks["stop"], 2),
         worker_load_s=b.load_time_after(marks["stopped"]),
@@ -348,9 +330,7 @@ async def rollout_under_load(b: Bench) -> dict:
             rollout.main, ["--home", str(b.srv.home), "--config", str(b.config_path), "--timeout", "180"]
         )
 
-    rss = b.rss_mb()
-    res, wrong, rc = await under_load(b, roll, lead=1.0, tail=1.0)
-    r = scenario_row(b, "rollout", res, wrong, rss)
+    r, res, rc = await under_load(b, "rollout", roll, lead=1.0, tail=1.0)
     check(r, "rollout.py succeeded", rc == 0, rc)
     check(r, "no request failed", not failed(res), len(failed(res)))
     return r
@@ -370,16 +350,11 @@ async def overload(b: Bench) -> dict:
     busy_ms = [(d - s) * 1000 for s, d, st in res.events if st == 503]
     r["latency_ms_p50_p99_200"], r["latency_ms_p50_p99_503"] = p50_p99(ok_ms), p50_p99(busy_ms)
     # Recovered: the first 0.5 s window after the drop whose median latency is within 1.5x
-    # (+5 ms) of the baseline's median.
+    # (+5 ms) of the baseline's median (a window with no 200: NaN, never within).
     bound = 1.5 * b.normal_p50 + 5
-    recovered = None
-    for w in range(int(b.p.after / 0.5)):
-        lo, hi = t_drop + 0.5 * w, t_drop + 0.5 * (w + 1)
-        lat = [(d - s) * 1000 for s, d, st in after.events if lo <= s < hi and st == 200]
-        if lat and percentile(lat, 50) <= bound:
-            recovered = round(hi - t_drop, 2)
-            break
-    r["recovery_s"] = recovered
+    ok_after = [(2 * (s - t_drop), (d - s) * 1000) for s, d, st in after.events if st == 200]  # (sent: window, ms)
+    p50s = (percentile([ms for x, ms in ok_after if w <= x < w + 1], 50) for w in range(int(b.p.after * 2)))
+    r["recovery_s"] = recovered = next(((w + 1) / 2 for w, p50 in enumerate(p50s) if p50 <= bound), None)
     r["after"] = row("after", after, wrong_after)
     others = {k: v for k, v in res.statuses.items() if k not in (200, 503)}
     check(r, "only 200 or 503 (queue full)", not others and after.statuses.keys() <= {200}, res.statuses)
@@ -410,8 +385,8 @@ async def slow_clients(b: Bench) -> dict:
     fds0, rss0 = open_fds(fe), b.rss_mb()
     hangups, fds_stalled, fds_after = [0], [], []
 
-    async def hang_up(stop: asyncio.Event):
-        while not stop.is_set():
+    async def hang_up(until: float):
+        while time.perf_counter() < until:
             reader, writer = await asyncio.open_connection(host, port)
             writer.write(head + body)
             await writer.drain()
@@ -429,15 +404,7 @@ async def slow_clients(b: Bench) -> dict:
             await writer.drain()
             stalled.append(writer)
         fds_stalled.append(open_fds(fe))
-        stop = asyncio.Event()
-
-        async def timed():
-            try:
-                return await b.load(SLOW_CONCURRENCY, b.p.slow)
-            finally:
-                stop.set()
-
-        out, _ = await asyncio.gather(timed(), hang_up(stop))
+        out, _ = await asyncio.gather(b.load(SLOW_CONCURRENCY, b.p.slow), hang_up(time.perf_counter() + b.p.slow))
         for writer in stalled:
             writer.transport.abort()
         deadline = time.monotonic() + 20  # bounded wait for the frontend to close what was dropped
@@ -511,16 +478,12 @@ async def archive_faults(b: Bench) -> dict:
                 rc = await asyncio.to_thread(
                     rollout.main, ["--home", str(b.srv.home), "--archive", archive, "--timeout", "120"]
                 )
-            answers[why] = {
-                "archive": archive,
-                "rc": rc,
-                "seconds": round(time.perf_counter() - t, 1),
-                "message": err.getvalue().strip()[:400],
-            }
-            log(f"  archive faults: {why}: exit {rc} in {answers[why]['seconds']} s: {answers[why]['message']}")
+            a = answers[why] = {"archive": archive, "rc": rc, "seconds": round(time.perf_counter() - t, 1)}
+            a["message"] = err.getvalue().strip()[:400]
+            log(f"  archive faults: {why}: exit {rc} in {a['seconds']} s: {a['message']}")
 
-    res, wrong, _ = await under_load(b, register, lead=0.5, tail=1.0, concurrency=4)
-    r = scenario_row(b, "archive faults", res, wrong, None, registrations=answers)
+    r, res, _ = await under_load(b, "archive faults", register, lead=0.5, tail=1.0, concurrency=4, rss=False)
+    r["registrations"] = answers
     check(r, "the serving model kept answering 200", not failed(res), res.statuses)
     for why, a in answers.items():
         check(r, f"{why}: refused at registration", a["rc"] == 1, f"exit {a['rc']}")
@@ -580,28 +543,16 @@ def table(rows: list[dict]) -> list[str]:
     def rss(x):
         return f"{x['frontend']:.0f} / {x['worker'] or 0:.0f}" if x else ""
 
-    def checks(r):
-        return r.get("skipped") or f"{sum(c['ok'] for c in r['checks'].values())}/{len(r['checks'])}"
+    def cells(r):
+        checks = r.get("skipped") or f"{sum(c['ok'] for c in r['checks'].values())}/{len(r['checks'])}"
+        return [*(r[k] for k in CELLS), r.get("max_wait_s"), rss(r["rss_mb_before"]), rss(r["rss_mb_after"]), checks]
 
-    return md_table(
-        COLUMNS.split(" | "),
-        [
-            [*(r[k] for k in CELLS), r.get("max_wait_s"), rss(r["rss_mb_before"]), rss(r["rss_mb_after"]), checks(r)]
-            for r in rows
-        ],
-    )
+    return md_table(COLUMNS.split(" | "), [cells(r) for r in rows])
 
 
-SCENARIOS = {
-    "killed": worker_killed,
-    "hung": worker_hung,
-    "restart": server_restarted,
-    "rollout": rollout_under_load,
-    "overload": overload,
-    "slow": slow_clients,
-    "archive": archive_faults,
-    "logs": logs_disk,
-}
+# In order (overload compares with the baseline's latency).
+SCENARIOS: tuple = (baseline, worker_killed, worker_hung, server_restarted, rollout_under_load, overload, slow_clients)
+SCENARIOS += (archive_faults, logs_disk)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -619,12 +570,10 @@ def main(argv: list[str] | None = None) -> int:
             b.srv.wait_ready(MODEL, b.pool[0], timeout=180)
 
             async def run_all():
-                log(f"baseline: c={CONCURRENCY} for {b.p.baseline} s")
-                rows.append(await baseline(b))
                 # --short leaves out the rollout: tests/test_ops_server.py rolls out under load.
-                for name in [n for n in SCENARIOS if not (args.short and n == "rollout")]:
-                    log(f"scenario {name} ({time.monotonic() - t0:.0f} s in)")
-                    out = await SCENARIOS[name](b)
+                for scenario in [s for s in SCENARIOS if not (args.short and s is rollout_under_load)]:
+                    log(f"scenario {scenario.__name__} ({time.monotonic() - t0:.0f} s in)")
+                    out = await scenario(b)
                     rows.extend(out if isinstance(out, list) else [out])
 
             asyncio.run(run_all())

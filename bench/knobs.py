@@ -30,19 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import (
-    RANKING,
-    ROOT,
-    build_archive,
-    log,
-    make_kind,
-    measure_load,
-    memory_mb,
-    rows_of,
-    run_dir,
-    serving,
-)
-from bench.common import write_report
+from bench.common import RANKING, ROOT, build_archive, log, make_kind, measure_load, md_table, memory_mb, rows_of
+from bench.common import run_dir, serving, write_report
 
 # name -> (config.properties overrides, model-config overrides). "shipped" is the kit's own.
 SETTINGS = {
@@ -155,15 +144,9 @@ def main() -> int:
                 with serving(home, store, {model: bodies[1][0]}, None, 300, cpus, overrides=settings[name][0]) as srv:
                     got = measure(srv, model, bodies, args.duration)
                 runs[n, name].append(got)
-                log(
-                    f"round {r + 1}/{args.rounds} {name} on {n or 'all'} CPU(s): "
-                    + ", ".join(
-                        f"{k} {v['requests_per_s']:,.0f} req/s p99 {v['p99_ms']:.1f} ms"
-                        for k, v in got.items()
-                        if k != "memory"
-                    )
-                    + f"; worker USS {got['memory']['uss']} MB"
-                )
+                uss, pts = got["memory"]["uss"], [(k, v) for k, v in got.items() if k != "memory"]
+                said = ", ".join(f"{k} {v['requests_per_s']:,.0f} req/s p99 {v['p99_ms']:.1f} ms" for k, v in pts)
+                log(f"round {r + 1}/{args.rounds} {name} on {n or 'all'} CPU(s): {said}; worker USS {uss} MB")
 
     report = {
         "config": cfg_path.name,
@@ -180,18 +163,12 @@ def main() -> int:
             med = {k: statistics.median(x[point][k] for x in rs) for k in ("requests_per_s", "rows_per_s", "p99_ms")}
             # ratio to the reference setting, round by round (the same stretch of machine time)
             ratios = [x[point]["requests_per_s"] / b[point]["requests_per_s"] for x, b in zip(rs, base)]
-            row[point] = {
-                **{k: round(v, 1) for k, v in med.items()},
+            rows_s, p99s = [x[point]["rows_per_s"] for x in rs], [x[point]["p99_ms"] for x in rs]
+            row[point] = {k: round(v, 1) for k, v in med.items()} | {
                 "vs_shipped": round(statistics.median(ratios), 3),
                 "vs_range": [round(min(ratios), 3), round(max(ratios), 3)],
-                "range": [
-                    round(min(x[point]["rows_per_s"] for x in rs)),
-                    round(max(x[point]["rows_per_s"] for x in rs)),
-                ],
-                "p99_range": [
-                    round(min(x[point]["p99_ms"] for x in rs), 1),
-                    round(max(x[point]["p99_ms"] for x in rs), 1),
-                ],
+                "range": [round(min(rows_s)), round(max(rows_s))],
+                "p99_range": [round(min(p99s), 1), round(max(p99s), 1)],
                 "errors": sum(x[point]["errors"] for x in rs),
             }
         report["settings"][name if n is None else f"{name} on {n} CPU(s)"] = row
@@ -202,18 +179,19 @@ def main() -> int:
         f"{ref}'s in the same round (median, range){' on the same CPUs' if args.cpus != [None] else ''}. "
         "Worker memory: MB per worker (RSS / PSS / USS, the last the pages no other process shares).",
         "",
-        f"| setting | single row c=64 req/s | vs {ref} | p99 ms | ranking 128 rows c=16 rows/s (range) | vs {ref} | "
-        "p99 ms (range) | errors | worker MB RSS / PSS / USS |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name, row in report["settings"].items():
+    header = f"setting | single row c=64 req/s | vs {ref} | p99 ms | ranking 128 rows c=16 rows/s (range) | vs {ref} | "
+    header += "p99 ms (range) | errors | worker MB RSS / PSS / USS"
+
+    def cells(name: str, row: dict) -> list:
         s, k, m = row["single_c64"], row["ranking_c16"], row["memory_mb_per_worker"]
-        lines.append(
-            f"| {name} | {s['requests_per_s']:,.0f} | {s['vs_shipped']} ({'-'.join(map(str, s['vs_range']))}) | "
-            f"{s['p99_ms']} | {k['rows_per_s']:,.0f} ({k['range'][0]:,}-{k['range'][1]:,}) | {k['vs_shipped']} "
-            f"({'-'.join(map(str, k['vs_range']))}) | {k['p99_ms']} ({k['p99_range'][0]}-{k['p99_range'][1]}) | "
-            f"{s['errors'] + k['errors']} | {m['rss']} / {m['pss']} / {m['uss']} |"
-        )
+        vs_s, vs_k = (f"{x['vs_shipped']} ({'-'.join(map(str, x['vs_range']))})" for x in (s, k))
+        rows_s = f"{k['rows_per_s']:,.0f} ({k['range'][0]:,}-{k['range'][1]:,})"
+        p99_k = f"{k['p99_ms']} ({k['p99_range'][0]}-{k['p99_range'][1]})"
+        req_s, mb = f"{s['requests_per_s']:,.0f}", f"{m['rss']} / {m['pss']} / {m['uss']}"
+        return [name, req_s, vs_s, s["p99_ms"], rows_s, vs_k, p99_k, s["errors"] + k["errors"], mb]
+
+    lines += md_table(header.split(" | "), [cells(*x) for x in report["settings"].items()], right=True)
     write_report(run_dir(__file__, "knobs", "TorchServe's settings, measured", args.out) / "knobs", report, lines)
     return 0
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from bench import mlperf
 from bench.common import HostForward, ROOT, build_archive, frontend_pid, jit_cpu_seconds, jit_cpu_since, load_served
-from bench.common import log, machine, metric_value, run_dir, serving, unpack, write_report
+from bench.common import log, machine, md_table, metric_value, run_dir, serving, unpack, write_report
 
 HOST_BATCH = 256
 # Issue 29's targets per config: pairs/s at the bound over an anchor measured in the same run.
@@ -102,12 +102,11 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
         with serving(tmp / f"home-{name}", tmp / "store", {name: probe}, env) as srv:
             url = srv.url + mlperf.path(args.form, name)
             procs = lambda: {"frontend": [frontend_pid(srv)], "workers": srv.worker_pids(name)}  # noqa: E731
-            warm = warm_up(
-                lambda s: mlperf.run(url, pool, start / 2, s, min_queries=1, max_seconds=s),
-                frontend_pid(srv),
-                args.warm_up,
-                args.warm_up_max,
-            )
+
+            def warm_load(s: float) -> dict:  # s seconds at half the search's first rate
+                return mlperf.run(url, pool, start / 2, s, min_queries=1, max_seconds=s)
+
+            warm = warm_up(warm_load, frontend_pid(srv), args.warm_up, args.warm_up_max)
 
             def run_once(qps: float, min_queries: int, max_seconds: float) -> dict:
                 out = Path(args.loadgen_dir) / f"{tag}-{qps:.2f}qps.txt"
@@ -142,8 +141,7 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
     host_rows = (before["rows_per_s"] + after["rows_per_s"]) / 2
     best = found["best"] or {"target_qps": 0, "pairs_per_s": 0, "p99_ms": None}
     row = {"config": cfg_path.name, "variant": variant, "form": args.form, "overlay": items, "dense": dense}
-    row["split_pairs"] = split
-    row.update(workers=workers, warm_up=warm)
+    row.update(split_pairs=split, workers=workers, warm_up=warm)
     row.update(batch_size=doc.get("batchSize"), pairs_mean=round(mean_pairs, 1), host_before=before, host_after=after)
     row.update(host_rows_per_s=round(host_rows), cpus=before["cpus"], runs=found["runs"], valid_qps=best["target_qps"])
     row.update(
@@ -202,17 +200,11 @@ def _stage_ms(model, cfg, query: mlperf.Query, form: str, reps: int) -> dict[str
     from dlrmkit.forms import RequestParser
     from dlrmkit.protocols import open_request
 
-    parser, times = RequestParser(cfg), {k: [] for k in STAGES}
+    times, h = {k: [] for k in STAGES}, query.headers
+    how = (form == "v2-binary", h.get(mlperf.BINARY_HEADER), RequestParser(cfg), ("m", "1"), h.get("Content-Type"))
     for i in range(reps + 1):  # the first is a warm-up
         t0 = time.perf_counter()
-        req = open_request(
-            query.body,
-            form == "v2-binary",
-            query.headers.get(mlperf.BINARY_HEADER),
-            parser,
-            ("m", "1"),
-            query.headers.get("Content-Type"),
-        )
+        req = open_request(query.body, *how)
         parsed = req.parse()
         t1 = time.perf_counter()
         batch, bad = collate([parsed], cfg)
@@ -368,13 +360,11 @@ def label(row: dict) -> str:
 
 def markdown(report: dict) -> list[str]:
     m, bound = report["machine"], mlperf.P99_BOUND_MS
-    split = (
-        "; a variant marked `split N`: a query of more than N pairs goes as ceil(pairs / N) requests of nearly equal "
-        "size at once, done when all are answered (the load generator's doing: a client spreading a large query "
-        "over the workers)"
-        if any(r.get("split_pairs") for r in report["rows"])
-        else ""
-    )
+    split = ""
+    if any(r.get("split_pairs") for r in report["rows"]):
+        split = "; a variant marked `split N`: a query of more than N pairs goes as ceil(pairs / N) requests of "
+        split += "nearly equal size at once, done when all are answered (the load generator's doing: a client "
+        split += "spreading a large query over the workers)"
     lines = [
         f"**Server scenario under MLPerf LoadGen** ({m['cpu']}, {m['available_cpus']} CPUs, ISA {m['isa']}, torch's "
         f"kernels {m['isa_served']}; load average {m['load_average_at_start'][0]} at the start, "
@@ -386,17 +376,16 @@ def markdown(report: dict) -> list[str]:
         f"run's verdict stands); the highest offered rate LoadGen calls VALID (p99 <= {bound:.0f} ms) "
         "with no failed query. LoadGen's summaries: loadgen/ beside this report.",
         "",
-        "| config | variant | dense half | workers | VALID q/s | pairs/s | per core | p99 ms | host raw forward "
-        f"B={HOST_BATCH} rows/s | pairs/s / host | runs (q/s: p99 ms, V = VALID) |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for r in report["rows"]:
-        runs = ", ".join(f"{x['target_qps']}: {x.get('p99_ms')}{' V' if x['ok'] else ''}" for x in r["runs"])
-        lines.append(
-            f"| {r['config']} | {label(r)} | {short(r['dense'])} | {r['workers']} | {r['valid_qps'] or 'none'} | "
-            f"{r['pairs_per_s']:,} | {r['pairs_per_s'] // r['cpus']:,} | {r['p99_ms'] or ''} | "
-            f"{r['host_rows_per_s']:,} | {r['vs_host']} | {runs} |"
-        )
+    header = "config | variant | dense half | workers | VALID q/s | pairs/s | per core | p99 ms | host raw forward "
+    header += f"B={HOST_BATCH} rows/s | pairs/s / host | runs (q/s: p99 ms, V = VALID)"
+    cells = [
+        [r["config"], label(r), short(r["dense"]), r["workers"], r["valid_qps"] or "none", f"{r['pairs_per_s']:,}"]
+        + [f"{r['pairs_per_s'] // r['cpus']:,}", r["p99_ms"] or "", f"{r['host_rows_per_s']:,}", r["vs_host"]]
+        + [", ".join(f"{x['target_qps']}: {x.get('p99_ms')}{' V' if x['ok'] else ''}" for x in r["runs"])]
+        for r in report["rows"]
+    ]
+    lines += md_table(header.split(" | "), cells, align="lllrrrrrrrl")
     anchors = {"host": "the host's raw forward of the served archive", "stock": "stock torchrec's fp32 forward"}
     stock = [r for r in report["rows"] if r.get("stock_rows_per_s")]
     lines += [
@@ -432,24 +421,19 @@ def forward_lines(report: dict) -> list[str]:
         f"**The raw forward per precision** (no server, B={HOST_BATCH}, one single-thread process per CPU, mean of "
         "before and after the search; per core: all cores / CPUs). Context: " + mlperf.PUBLISHED + ".",
         "",
-        "| config | dense half | served archive, all cores rows/s | per core | stock torchrec fp32, per core "
-        "| vs stock | per core / MLPerf's per core |",
-        "|---|---|---:|---:|---:|---:|---:|",
     ]
+    header = "config | dense half | served archive, all cores rows/s | per core | stock torchrec fp32, per core | "
+    header += "vs stock | per core / MLPerf's per core"
+    cells = []
     for r in rows:
-        per_core = r["host_rows_per_s"] // r["cpus"]
-        stock = r.get("stock_rows_per_s")
+        per_core, stock = r["host_rows_per_s"] // r["cpus"], r.get("stock_rows_per_s")
         # Only the DLRMv2 config has the stock anchor, and only it is MLPerf's model.
-        dlrmv2_cells = (
-            f"{stock // r['cpus']:,} | {r['host_rows_per_s'] / stock:.2f} | "
-            f"{per_core / mlperf.PUBLISHED_PAIRS_PER_CORE:.2f}"
-            if stock
-            else "n/a | n/a | n/a"
-        )
-        lines.append(
-            f"| {r['config']} | {short(r['dense'])} | {r['host_rows_per_s']:,} | {per_core:,} | {dlrmv2_cells} |"
-        )
-    return lines
+        mlperf_cells = ["n/a"] * 3
+        if stock:
+            mlperf_cells = [f"{stock // r['cpus']:,}", f"{r['host_rows_per_s'] / stock:.2f}"]
+            mlperf_cells.append(f"{per_core / mlperf.PUBLISHED_PAIRS_PER_CORE:.2f}")
+        cells.append([r["config"], short(r["dense"]), f"{r['host_rows_per_s']:,}", f"{per_core:,}", *mlperf_cells])
+    return lines + md_table(header.split(" | "), cells, align="llrrrrr")
 
 
 def parts_note(q: dict) -> str:
@@ -469,20 +453,21 @@ def profile_lines(report: dict) -> list[str]:
         "frontend, the transport, TorchServe's batching; the stages: the same query in the bench's process on the "
         "served model, one thread)",
         "",
-        "| config | variant | pairs (requests, parts in the worker) | at the client | worker, per request: preprocess / inference / "
-        "postprocess | outside the worker | parse / collate / lookup / dense / respond (first request) |",
-        "|---|---|---:|---:|---|---:|---|",
     ]
+    header = (
+        "config | variant | pairs (requests, parts in the worker) | at the client | worker, per request: preprocess / "
+    )
+    header += (
+        "inference / postprocess | outside the worker | parse / collate / lookup / dense / respond (first request)"
+    )
+    cells = []
     for r in rows:
         for q in r["profile"]:
             worker = " / ".join(f"{q['worker_ms'][p]:g}" for p in PHASES) if q.get("worker_ms") else "n/a"
             stages = " / ".join(f"{q['stages_ms'][k]:g}" for k in STAGES)
-            lines.append(
-                f"| {r['config']} | {label(r)} | {q['pairs']} ({q.get('requests', 1)}{parts_note(q)}) | {q['client_ms']:g} | "
-                f"{worker} | "
-                f"{q.get('outside_worker_ms', 'n/a')} | {stages} |"
-            )
-    lines.append("")
+            pairs, client = f"{q['pairs']} ({q.get('requests', 1)}{parts_note(q)})", f"{q['client_ms']:g}"
+            cells.append([r["config"], label(r), pairs, client, worker, q.get("outside_worker_ms", "n/a"), stages])
+    lines += md_table(header.split(" | "), cells, align="llrrlrl") + [""]
     for r in rows:
         cpu, busy = r.get("cpu_ms_per_query") or {}, r.get("busy_at_target")
         warm = r.get("warm_up")
@@ -494,9 +479,8 @@ def profile_lines(report: dict) -> list[str]:
         if cpu:
             run = max((x for x in r["runs"] if "workers_cpu_us_per_query" in x), key=lambda x: x["target_qps"])
             jit = run.get("frontend_jit_cpu_us_per_query")
-            spent = ", ".join(f"{k} {v:g}" for k, v in cpu.items()) + (
-                f" (the frontend's JIT {jit / 1000:g})" if jit is not None else ""
-            )
+            spent = ", ".join(f"{k} {v:g}" for k, v in cpu.items())
+            spent += f" (the frontend's JIT {jit / 1000:g})" if jit is not None else ""
             at = f"; at the target's rate the {r['cpus']} CPUs would be {busy:.0%} busy" if busy is not None else ""
             lines.append(f"CPU ms per query ({r['config']}, {label(r)}, at {run['target_qps']} q/s): {spent}{at}.")
         if r.get("next_lever"):

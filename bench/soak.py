@@ -52,10 +52,7 @@ def bad_requests(features, rows, n_dense) -> list[tuple[bytes, int]]:
         (with_(keys=["x" * 10_000]), 400),
         (json.dumps({"instances": []}).encode(), 400),
         (json.dumps({"instances": [ok] * 4097}).encode(), 413),
-        (
-            json.dumps({**ok, "sparse": {"keys": [features[0]], "values": [1] * 65_537, "lengths": [65_537]}}).encode(),
-            413,
-        ),
+        (with_(values=[1] * 65_537, lengths=[65_537]), 413),
     ]
 
 
