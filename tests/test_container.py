@@ -365,7 +365,6 @@ def test_sigterm_under_load_answers_every_accepted_request_and_exits_0(image, la
 
 COMPILE_IN_IMAGE = """
 import json, sys, torch
-sys.path[:0] = ["/kit"]
 from dlrmkit.model import DLRMFactory
 from dlrmkit import dense
 from dlrmkit.config import DLRMConfig
@@ -383,7 +382,8 @@ def test_the_image_compiles_the_dense_half_as_the_pods_run_it(image):
     a read-only root and /tmp its only writable place. The compile itself is called, not the CPU
     check before it, so this holds on every x86 host (an AVX2 one serves such an archive as fp32)."""
     run = run_args(image, f"dlrm-compile-{uuid.uuid4().hex[:8]}", 0)
-    run = [a for a in run[:-3] if a != "-d"] + ["--rm", "-v", f"{ROOT}:/kit:ro", "--entrypoint", "/opt/venv/bin/python"]
+    run = [a for a in run[:-3] if a != "-d"] + ["--rm", "-v", f"{ROOT}:/kit:ro", "-e", "PYTHONPATH=/kit"]
+    run += ["--entrypoint", "/opt/venv/bin/python"]
     out = docker(*run, image, "-c", COMPILE_IN_IMAGE, json.dumps({**TINY, **variant("dcn")}), check=False)
     assert out.returncode == 0 and "COMPILED int8 dynamic" in out.stdout, (out.stdout[-2000:], out.stderr[-4000:])
     assert out.stdout.rstrip().endswith("True (4, 1)"), out.stdout
