@@ -18,8 +18,8 @@ import yaml
 
 from conftest import ROOT, TINY
 from helpers import instance
-from scripts.tsctl import free_port, get, post, request
-from test_kserve_server import DENSE_ROWS, ROWS, V2_JSON  # the TorchServe door's rows, in every protocol
+from scripts.tsctl import free_port, get, request
+from test_kserve_server import DENSE_ROWS, ROWS, V2_JSON, rest  # the TorchServe door's rows and its REST call
 
 pytestmark = pytest.mark.integration
 
@@ -91,12 +91,6 @@ def door(tmp_path_factory):
             proc.kill()
             proc.wait()
     assert proc.returncode is not None
-
-
-def rest(srv, path: str, body: bytes, headers=None):
-    headers = dict(headers or {})
-    status, raw, hdrs = post(srv.url + path, body, headers.pop("Content-Type", "application/json"), headers)
-    return status, raw, {k.lower(): v for k, v in hdrs.items()}
 
 
 TENSORS = {  # the two rows of ROWS as v2 tensors: feature_0 and feature_1 multi-hot, feature_2 as one bag each

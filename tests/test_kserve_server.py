@@ -116,7 +116,8 @@ def grpc_stub(tmp_path_factory, server):
 
 
 def rest(srv, path: str, body: bytes, headers=None):
-    status, raw, hdrs = post(srv.url + path, body, (headers or {}).pop("Content-Type", "application/json"), headers)
+    headers = dict(headers or {})  # the caller's dict left as it was
+    status, raw, hdrs = post(srv.url + path, body, headers.pop("Content-Type", "application/json"), headers)
     return status, raw, {k.lower(): v for k, v in hdrs.items()}
 
 
