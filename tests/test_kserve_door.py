@@ -122,34 +122,24 @@ def triton_http(srv, binary: bool, tensors=TENSORS):
         client.close()
 
 
-def triton_grpc(srv, tensors=TENSORS):
-    """tritonclient.grpc: raw_input_contents (its only way)."""
-    import tritonclient.grpc as grpcclient
-
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{srv.grpc}")
-    inputs = []
-    for name, arr in tensors.items():
-        t = grpcclient.InferInput(name, list(arr.shape), DTYPES[arr.dtype])
-        t.set_data_from_numpy(arr)
-        inputs.append(t)
-    try:
-        return client.infer("dlrm", inputs, request_id="tg-1", client_timeout=60)
-    finally:
-        client.close()
+def grpc_check(srv, check: str) -> subprocess.Popen:
+    """tests/door_grpc.py's CHECK (tritonclient.grpc and Triton's stubs) against the door, started now in
+    a child: Triton's and kserve's generated protos cannot share this process (door_grpc.py says why)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "door_grpc.py"), str(srv.grpc), check],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
-def typed_grpc(srv, tensors=TENSORS):
-    """Typed contents (fp32_contents, int64_contents, ...), through Triton's own generated stubs."""
-    import grpc
-    from tritonclient.grpc import service_pb2, service_pb2_grpc
-
-    field = {"FP32": "fp32_contents", "INT32": "int_contents", "INT64": "int64_contents"}
-    req = service_pb2.ModelInferRequest(model_name="dlrm", id="typed-1")
-    for name, arr in tensors.items():
-        t = req.inputs.add(name=name, datatype=DTYPES[arr.dtype], shape=list(arr.shape))
-        getattr(t.contents, field[DTYPES[arr.dtype]]).extend(arr.reshape(-1).tolist())
-    with grpc.insecure_channel(f"127.0.0.1:{srv.grpc}") as channel:
-        return service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(req, timeout=60)
+def grpc_result(child: subprocess.Popen) -> dict:
+    """What the child saw, once it is done (bounded)."""
+    out, err = child.communicate(timeout=300)
+    assert child.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_every_form_scores_as_the_in_process_reference(door, reference):
@@ -178,12 +168,12 @@ def test_every_form_scores_as_the_in_process_reference(door, reference):
         assert result.get_response()["id"] == "tc-1"
         assert ("binary_data_size" in result.get_output("scores").get("parameters", {})) is binary
         got[f"triton_http_{'binary' if binary else 'json'}"] = result.as_numpy("scores")[:, 0]
-    result = triton_grpc(door)
-    assert result.get_response().id == "tg-1" and result.as_numpy("scores").shape == (2, 1)
-    got["triton_grpc_raw"] = result.as_numpy("scores")[:, 0]
-    typed = typed_grpc(door)
-    assert typed.id == "typed-1" and typed.model_version == "1.0" and list(typed.outputs[0].shape) == [2, 1]
-    got["grpc_typed"] = list(typed.outputs[0].contents.fp32_contents)
+    seen = grpc_result(grpc_check(door, "forms"))
+    result, typed = seen["raw"], seen["typed"]
+    assert result["id"] == "tg-1" and np.asarray(result["scores"]).shape == (2, 1)
+    got["triton_grpc_raw"] = np.asarray(result["scores"])[:, 0]
+    assert (typed["id"], typed["model_version"], typed["shape"]) == ("typed-1", "1.0", [2, 1])
+    got["grpc_typed"] = typed["scores"]
     for name, scores in got.items():
         assert np.abs(np.asarray(scores, np.float64) - np.asarray(reference, np.float64)).max() <= TOL, (name, scores)
 
@@ -217,19 +207,10 @@ def test_binary_v2_answer_is_the_kits_layout(door):
 
 
 def test_health_readiness_and_metadata_answer_truthfully(door):
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import InferenceServerException
-
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{door.grpc}")
-    try:
-        assert client.is_server_live()
-        assert client.is_model_ready("dlrm")
-        with pytest.raises(InferenceServerException) as info:
-            client.is_model_ready("no-such-model")
-        assert info.value.status() == "StatusCode.NOT_FOUND", info.value
-        meta = client.get_model_metadata("dlrm", as_json=True)
-    finally:
-        client.close()
+    seen = grpc_result(grpc_check(door, "health"))
+    assert seen["live"] and seen["ready"]
+    assert seen["unknown"]["status"] == "StatusCode.NOT_FOUND", seen["unknown"]
+    meta = seen["metadata"]
     inputs = [{"name": "dense", "datatype": "FP32", "shape": [-1, TINY["num_dense_features"]]}] + [
         {"name": f, "datatype": "INT64", "shape": [-1]} for f in TINY["sparse_features"]
     ]
@@ -244,11 +225,9 @@ def test_health_readiness_and_metadata_answer_truthfully(door):
 
 
 def test_bad_requests_get_400_naming_the_field_beside_a_good_one(door, reference):
-    import grpc
     from tritonclient.utils import InferenceServerException
 
     out_of_range = {**TENSORS, "feature_0.values": np.array([3, 4, 25])}
-    short = {**TENSORS, "dense": DENSE_ROWS[:, :4].copy()}
     calls = {
         "predictions": lambda: rest(door, "/predictions/dlrm", json.dumps(instance([1, 2])).encode()),
         "v1": lambda: rest(
@@ -270,11 +249,9 @@ def test_bad_requests_get_400_naming_the_field_beside_a_good_one(door, reference
         "v2_malformed": lambda: rest(door, "/v2/models/dlrm/infer", b'{"inputs": ['),
         "form": lambda: rest(door, "/predictions/dlrm", b"a=1", {"Content-Type": "application/x-www-form-urlencoded"}),
         "triton_http_range": lambda: triton_http(door, True, out_of_range),
-        "grpc_raw_range": lambda: triton_grpc(door, out_of_range),
-        "grpc_typed_short": lambda: typed_grpc(door, short),
         "good": lambda: rest(door, "/v1/models/dlrm:predict", json.dumps({"instances": ROWS}).encode()),
-        "good_grpc": lambda: triton_grpc(door),
     }
+    child = grpc_check(door, "bad")  # bad gRPC requests and a good one, at once, beside these
     results: dict = {}
 
     def run(name):
@@ -289,6 +266,7 @@ def test_bad_requests_get_400_naming_the_field_beside_a_good_one(door, reference
     for t in threads:
         t.join(120)
     assert set(results) == set(calls)
+    results.update(grpc_result(child))
 
     def error(name, key="error"):
         status, raw, hdrs = results[name]
@@ -309,32 +287,24 @@ def test_bad_requests_get_400_naming_the_field_beside_a_good_one(door, reference
     assert isinstance(err, InferenceServerException) and err.status() == "400", err
     assert err.message().startswith("feature_0.values[2]: id 25 is out of range for feature 'feature_0'")
     err = results["grpc_raw_range"]
-    assert isinstance(err, InferenceServerException) and err.status() == "StatusCode.INVALID_ARGUMENT", err
-    assert err.message().startswith("feature_0.values[2]: id 25 is out of range for feature 'feature_0'"), err
+    assert err["status"] == "StatusCode.INVALID_ARGUMENT", err
+    assert err["message"].startswith("feature_0.values[2]: id 25 is out of range for feature 'feature_0'"), err
     err = results["grpc_typed_short"]
-    assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
-    assert err.details() == "dense: expected FP32 shape [B, 5], got FP32 [2, 4]", err.details()
+    assert err["status"] == "StatusCode.INVALID_ARGUMENT", err
+    assert err["message"] == "dense: expected FP32 shape [B, 5], got FP32 [2, 4]", err
     status, raw, _ = results["good"]
     assert status == 200 and np.abs(np.array(json.loads(raw)["predictions"]) - reference).max() <= TOL
-    assert np.abs(results["good_grpc"].as_numpy("scores")[:, 0] - reference).max() <= TOL
+    assert np.abs(np.asarray(results["good_grpc"]) - reference).max() <= TOL
 
 
 def test_the_repository_routes_are_refused_and_the_model_stays(door):
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import InferenceServerException
-
     for verb in ("load", "unload"):
         status, body, _ = request("POST", f"{door.url}/v2/repository/models/dlrm/{verb}")
         assert (status, json.loads(body)) == (403, {"error": "model load and unload are disabled on this server"})
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{door.grpc}")
-    try:
-        with pytest.raises(InferenceServerException) as info:
-            client.unload_model("dlrm")
-        assert info.value.status() == "StatusCode.UNIMPLEMENTED", info.value
-        assert "model unload is disabled on this server" in info.value.message(), info.value.message()
-        assert client.is_model_ready("dlrm")
-    finally:
-        client.close()
+    seen = grpc_result(grpc_check(door, "repository"))
+    assert seen["unload"]["status"] == "StatusCode.UNIMPLEMENTED", seen["unload"]
+    assert "model unload is disabled on this server" in seen["unload"]["message"], seen["unload"]
+    assert seen["ready"]
 
 
 def test_the_command_says_how_and_refuses_several_workers():
