@@ -92,17 +92,36 @@ class Live:
     delta_poll_s: float = 0.5
 
 
+@dataclass(frozen=True)
+class Hot:
+    """Hot rows (dlrmkit/hot.py, docs/scale.md): ``hot_rows`` redirects lookups of a packed
+    model's hot ids to their copies (false: every id read where it lies, as unpacked, to compare);
+    ``count_ids_dir``: where each worker writes the ids it looks up (one forward in
+    ``count_ids_every``) as a counts file for ``scripts/build_big.py --hot-counts``; None: off."""
+
+    hot_rows: bool = True
+    count_ids_dir: str | None = None
+    count_ids_every: int = 16
+
+
 # DLRMConfig's group fields -> their classes. The YAML stays flat: each field of a group is a
 # ``handler.<key>`` of its own name (handler.split_rows, not handler.threads), and from_dict
 # distributes the keys into the groups.
-GROUPS: dict[str, type] = {"build": Build, "requests": Requests, "raw": RawInput, "threads": Threads, "live": Live}
+GROUPS: dict[str, type] = {
+    "build": Build,
+    "requests": Requests,
+    "raw": RawInput,
+    "threads": Threads,
+    "live": Live,
+    "hot": Hot,
+}
 
 
 @dataclass(frozen=True)
 class DLRMConfig:
     """A DLRM's layout (top-level), plus by concern: how it is built (``build``), what a worker
-    checks per request (``requests``), the Criteo transform (``raw``), its threads (``threads``)
-    and live updates (``live``).
+    checks per request (``requests``), the Criteo transform (``raw``), its threads (``threads``),
+    live updates (``live``) and hot rows (``hot``).
 
     F sparse features, one embedding table each (``num_embeddings[f]`` rows of D floats);
     ``num_dense_features`` floats per row go through the dense arch, whose last size must be D.
@@ -129,6 +148,7 @@ class DLRMConfig:
     raw: RawInput = field(default_factory=RawInput)
     threads: Threads = field(default_factory=Threads)
     live: Live = field(default_factory=Live)
+    hot: Hot = field(default_factory=Hot)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None) -> DLRMConfig:
@@ -206,6 +226,7 @@ class DLRMConfig:
             threads=_threads(raw),
             raw=_raw_input(raw, len(names)),
             live=_live(raw),
+            hot=_hot(raw),
         )
 
     @classmethod
@@ -316,6 +337,24 @@ def _live(raw: Mapping[str, Any]) -> Live:
             f"handler.delta_poll_s: expected seconds between 0.01 and 3600, got {poll!r} (e.g. delta_poll_s: 0.5)"
         )
     return Live(delta_dir=raw.get("delta_dir"), delta_poll_s=poll)
+
+
+def _hot(raw: Mapping[str, Any]) -> Hot:
+    """``hot_rows`` (bool), ``count_ids_dir`` (None: off) and ``count_ids_every`` (>= 1)."""
+    if not isinstance(raw.get("hot_rows", True), bool):
+        raise ConfigError(f"handler.hot_rows: expected true or false, got {raw['hot_rows']!r} (e.g. hot_rows: true)")
+    where = raw.get("count_ids_dir")
+    if where is not None and (not isinstance(where, str) or not where):
+        raise ConfigError(
+            f"handler.count_ids_dir: expected a directory path, got {where!r} (e.g. count_ids_dir: /counts)"
+        )
+    every = raw.get("count_ids_every", 16)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ConfigError(
+            f"handler.count_ids_every: expected a positive integer (one forward in N counted), got {every!r} "
+            "(e.g. count_ids_every: 16)"
+        )
+    return Hot(hot_rows=raw.get("hot_rows", True), count_ids_dir=where, count_ids_every=every)
 
 
 def _interaction(raw: Mapping[str, Any], dim: int) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import cast
+from typing import Mapping, cast
 
 import torch
 from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRM_Projection
@@ -18,6 +18,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dlrmkit.config import DLRMConfig
 from dlrmkit.errors import ConfigError
+from dlrmkit.hot import HOT, HotIndex
 from dlrmkit.scale import (
     DTYPES,
     EBC,
@@ -45,19 +46,21 @@ class DLRMFactory:
     def __init__(self, config: DLRMConfig):
         self.config = config
 
-    def tables(self, dtype: str = "fp32") -> list[EmbeddingBagConfig]:
+    def tables(self, dtype: str = "fp32", hot: Mapping[str, int] | None = None) -> list[EmbeddingBagConfig]:
         """One table per sparse feature, named after it: ``feature_0`` -> table ``feature_0``.
 
         ``dtype`` (an ``embedding_dtype``) sets torchrec's ``data_type``: the quantized EBC reads
-        it; the fp32 EBC must get fp32 (it would build fp16 tables for anything else).
+        it; the fp32 EBC must get fp32 (it would build fp16 tables for anything else). ``hot``:
+        table -> its hot rows' copies, kernel rows after the table's own (dlrmkit/hot.py).
         """
         c = self.config
+        hot = hot or {}
         pooling = PoolingType.SUM if c.pooling == "sum" else PoolingType.MEAN
         return [
             EmbeddingBagConfig(
                 name=name,
                 embedding_dim=c.embedding_dim,
-                num_embeddings=rows,
+                num_embeddings=rows + hot.get(name, 0),
                 feature_names=[name],
                 pooling=pooling,
                 data_type=DTYPES[dtype][0],
@@ -161,15 +164,23 @@ class DLRMFactory:
         it is, so nothing is allocated twice and on CPU the tables stay file-backed pages that
         workers of the same model share. Several devices: the tables are sharded table-wise
         across them (``dlrmkit.scale.shard``), the dense part runs on the first.
+
+        A packed model's weights (``scripts/build_big.py --hot-counts``) hold each table's hot rows'
+        copies after its rows; the model's ``hot_index`` (``dlrmkit.hot.HotIndex``, None when the
+        weights hold none) says where they lie.
         """
         devices = [torch.device(d) for d in (device if isinstance(device, (list, tuple)) else [device])]
         dtype, sharded = self.config.build.embedding_dtype, len(devices) > 1
         # a dict of tensors: check_state_dict proves it before anything is taken from it
         state = cast(dict[str, torch.Tensor], _read(weights))
+        keys = list(state) if isinstance(state, dict) else []
+        hot = {k[len(HOT) :]: state.pop(k) for k in keys if isinstance(k, str) and k.startswith(HOT)}
+        index = HotIndex(dict(zip(self.config.sparse_features, self.config.num_embeddings)), hot) if hot else None
         home = torch.device("cpu") if sharded else devices[0]
         model = self.build("cpu", tables_on_meta=True)
         # On CPU the kernels take the archive's buffer as theirs: no zero-filled copy first.
-        qebc = quant_ebc(self.tables(dtype), home, lazy=home.type == "cpu")
+        kernel_rows = {t: len(h) for t, h in hot.items()}
+        qebc = quant_ebc(self.tables(dtype, kernel_rows), home, lazy=home.type == "cpu")
         model.sparse_arch.embedding_bag_collection = qebc
         dense = {k: v for k, v in model.state_dict().items() if not k.startswith(EBC)}
         self.check_state_dict(state, model, {**dense, **fused_tables(qebc)})
@@ -178,7 +189,9 @@ class DLRMFactory:
             part.to(devices[0])
         if not adopt_tables(qebc, state):
             copy_tables(qebc, state)
-        return (shard(model, devices)[0] if sharded else model).eval()
+        served = (shard(model, devices)[0] if sharded else model).eval()
+        served.hot_index = index  # the packed tables' hot rows (dlrmkit/hot.py), None when unpacked
+        return served
 
     def freeze_dense(self, model: DLRM) -> list[str]:
         """Swap the dense arch and the over arch for ``torch.jit.freeze``-d traces of themselves:

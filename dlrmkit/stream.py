@@ -34,7 +34,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Callable, Iterator, cast
+from typing import IO, Callable, Iterator, Mapping, cast
 
 import torch
 import torch.distributed.checkpoint as dcp  # torchrec imports it anyway: no cost to load it here
@@ -48,6 +48,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from dlrmkit.checkpoint import open_checkpoint, plan_import, say_ignored
 from dlrmkit.config import DLRMConfig
 from dlrmkit.errors import ConfigError, InternalError
+from dlrmkit.hot import HOT
 from dlrmkit.model import DLRMFactory
 from dlrmkit.scale import EBC, TABLES, fused_rows, table_bytes
 
@@ -65,19 +66,22 @@ class Slot:
     offset: int
 
 
-def layout(config: DLRMConfig) -> tuple[list[Slot], int]:
+def layout(config: DLRMConfig, hot: Mapping[str, int] | None = None) -> tuple[list[Slot], int]:
     """The fused kernel's buffer for ``config``: one slot per table, in the config's order, each
     table ``rows x row_bytes`` padded to a 128-byte cache line (fbgemm's
-    ``nbit_construct_split_state``), and the buffer's size. ``tests/test_stream.py`` checks it
+    ``nbit_construct_split_state``), and the buffer's size. ``hot``: table -> its hot rows'
+    copies, kernel rows after its own (dlrmkit/hot.py). ``tests/test_stream.py`` checks it
     against the kernel torchrec builds."""
-    slots, offset, row = [], 0, _row_bytes(config)
+    slots, offset, row = [], 0, row_bytes(config)
     for name, rows in zip(config.sparse_features, config.num_embeddings):
+        rows += (hot or {}).get(name, 0)
         slots.append(Slot(name, rows, row, offset))
         offset += table_bytes(rows, config.embedding_dim, config.build.embedding_dtype)
     return slots, offset
 
 
-def _row_bytes(config: DLRMConfig) -> int:
+def row_bytes(config: DLRMConfig) -> int:
+    """Bytes of one fused row of ``config``'s tables (values, scale/bias, padding)."""
     kind = {"fp32": SparseType.FP32, "fp16": SparseType.FP16, "int8": SparseType.INT8, "int4": SparseType.INT4}
     return rounded_row_size_in_bytes(config.embedding_dim, kind[config.build.embedding_dtype], DEFAULT_ROW_ALIGNMENT)
 
@@ -333,14 +337,15 @@ def _tensor_in_pickle(data: bytes):
 # --- the writer ------------------------------------------------------------------------------
 
 
-def file_bytes(config: DLRMConfig) -> int:
-    """About what the weights file takes on disk: the tables' buffer plus the dense layers."""
+def file_bytes(config: DLRMConfig, hot: Mapping[str, int] | None = None) -> int:
+    """About what the weights file takes on disk: the tables' buffer (with ``hot`` rows' copies,
+    table -> rows) plus the dense layers and the hot rows' ids."""
     dense = sum(
         p.numel() * 4
         for k, p in DLRMFactory(config).build("cpu", tables_on_meta=True).state_dict().items()
         if not k.startswith(EBC)
     )
-    return layout(config)[1] + dense + (1 << 20)
+    return layout(config, hot)[1] + dense + 8 * sum((hot or {}).values()) + (1 << 20)
 
 
 def check_disk(path: str | Path, need: int, reserve: int = _RESERVE) -> int:
@@ -374,12 +379,16 @@ def write_weights(
     chunk_bytes: int = CHUNK_BYTES,
     log: Callable[[str], None] = print,
     every_s: float = 10.0,
+    hot: Mapping[str, torch.Tensor] | None = None,
 ) -> dict:
     """Write the weights file ``DLRMFactory(config).load`` reads, table by table from
     ``source`` (``RandomSource`` or ``CheckpointSource``), in ``config.build.embedding_dtype``,
-    never holding more than ``chunk_bytes`` of fp32 rows. Returns what it measured."""
+    never holding more than ``chunk_bytes`` of fp32 rows. ``hot``: table -> its hot ids, hottest
+    first (``dlrmkit.hot.choose``): their rows' copies go after the table's rows, gathered as
+    the chunks pass (held whole: the hot region's bytes). Returns what it measured."""
     path = Path(path)
-    slots, host = layout(config)
+    hot = {t: h.to(torch.int64) for t, h in (hot or {}).items() if len(h)}
+    slots, host = layout(config, {t: len(h) for t, h in hot.items()})
     dim, dtype = config.embedding_dim, config.build.embedding_dtype
     started = time.perf_counter()
     log(
@@ -396,28 +405,40 @@ def write_weights(
     # The dense layers' shapes first (their values come from the source after the tables).
     skeleton = DLRMFactory(config).build("cpu", tables_on_meta=True).state_dict()
     dense_keys = [k for k in skeleton if not k.startswith(EBC)]
-    state = {**views, **{k: torch.empty_like(skeleton[k], device="cpu") for k in dense_keys}}
+    hot_keys = [f"{HOT}{t}" for t in hot]
+    state = {
+        **views,
+        **{k: torch.empty_like(skeleton[k], device="cpu") for k in dense_keys},
+        **{f"{HOT}{t}": torch.empty_like(h) for t, h in hot.items()},
+    }
     with torch.serialization.skip_data(materialize_fake_tensors=True):
         torch.save(state, tmp)
     reader = torch._C.PyTorchFileReader(str(tmp))
     # storages are numbered in the order the pickler first meets them: the table buffer, then each dense tensor
     base = _record_offset(reader, "data/0")
-    dense_at = {k: _record_offset(reader, f"data/{i + 1}") for i, k in enumerate(dense_keys)}
+    dense_at = {k: _record_offset(reader, f"data/{i + 1}") for i, k in enumerate([*dense_keys, *hot_keys])}
     del reader
-    total_rows, done_rows, last = sum(s.rows for s in slots), 0, time.perf_counter()
+    total_rows = sum(config.num_embeddings)
+    done_rows, last = 0, time.perf_counter()
     chunk_rows = max(1, chunk_bytes // (dim * 4))
     fd = os.open(tmp, os.O_WRONLY)
     try:
         for t, s in enumerate(slots):
             t0 = time.perf_counter()
-            for start in range(0, s.rows, chunk_rows):
-                n = min(chunk_rows, s.rows - start)
+            own = config.num_embeddings[t]
+            ids = hot.get(s.name)
+            copies = None if ids is None else torch.empty(len(ids), s.row_bytes, dtype=torch.uint8)
+            for start in range(0, own, chunk_rows):
+                n = min(chunk_rows, own - start)
                 fused = fused_rows({s.name: source.rows(t, start, n)}, dtype)[s.name]
                 if fused.shape != (n, s.row_bytes):
                     raise InternalError(
                         f"table {s.name}: quantized rows {tuple(fused.shape)}, layout {n} x {s.row_bytes}"
                     )
                 _pwrite(fd, fused, base + s.offset + start * s.row_bytes)
+                if ids is not None and copies is not None:
+                    here = (ids >= start) & (ids < start + n)
+                    copies[here] = fused[ids[here] - start]
                 done_rows += n
                 now = time.perf_counter()
                 if now - last >= every_s:
@@ -428,8 +449,10 @@ def write_weights(
                         f"{el:.0f} s, ETA {el * (total_rows - done_rows) / max(done_rows, 1):.0f} s, "
                         f"RSS anon {m.get('RssAnon', 0) / 2**20:.0f} MiB"
                     )
-            if s.rows >= chunk_rows:
-                log(f"[stream] table {s.name}: {s.rows:,} rows in {time.perf_counter() - t0:.1f} s")
+            if copies is not None:
+                _pwrite(fd, copies, base + s.offset + own * s.row_bytes)
+            if own >= chunk_rows:
+                log(f"[stream] table {s.name}: {own:,} rows in {time.perf_counter() - t0:.1f} s")
         dense = source.dense()
         for k in dense_keys:
             v = dense[k]
@@ -438,6 +461,8 @@ def write_weights(
                     f"checkpoint: layer {k!r} has shape {list(v.shape)}, expected {list(skeleton[k].shape)}"
                 )
             _pwrite(fd, v.contiguous(), dense_at[k])
+        for table, ids_hot in hot.items():
+            _pwrite(fd, ids_hot.contiguous(), dense_at[f"{HOT}{table}"])
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -456,6 +481,8 @@ def write_weights(
         "peak_rss_self_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
         "chunk_rows": chunk_rows,
         "source": source.describe(),
+        "hot_rows": sum(len(h) for h in hot.values()),
+        "hot_bytes": sum(len(h) for h in hot.values()) * row_bytes(config),
     }
     log(
         f"[stream] wrote {path} ({result['file_bytes'] / 2**30:.2f} GiB) in {took:.1f} s, "

@@ -41,12 +41,13 @@ from dlrmkit.config import DLRMConfig
 from dlrmkit.cpus import available_cpus, split_parts, torch_threads
 from dlrmkit.errors import BadRequest, ConfigError, OutOfMemory, RequestError, ServerError
 from dlrmkit.forms import RequestParser
+from dlrmkit.hot import HotIndex, IdCounter, warm
 from dlrmkit.live import DeltaApplier, start_watcher
 from dlrmkit.live.applier import Emit
 from dlrmkit.model import DLRMFactory
 from dlrmkit.protocols import Reply
 from dlrmkit.request import ParsedRequest
-from dlrmkit.scale import worker_devices
+from dlrmkit.scale import TABLES, fused_tables, mapped_read_only, worker_devices
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,9 @@ class Worker:
     delta_applier = DeltaApplier  # its class (tests/unguarded_handler.py injects one without the lock)
     split_pool: ThreadPoolExecutor | None = None  # with handler.split_rows: the threads a large forward's parts run on
     split_parts = 1  # the most parts one forward runs as
+    hot: HotIndex | None = None  # a packed model's hot rows, where lookups are redirected (handler.hot_rows)
+    warmed: dict | None = None  # what warming the hot rows did (bytes, seconds, locked)
+    counter: IdCounter | None = None  # with handler.count_ids_dir: counts the looked-up ids
 
     def load(
         self,
@@ -169,9 +173,39 @@ class Worker:
         dense half runs as and what was frozen."""
         factory = DLRMFactory(self.config)
         model_dir = os.path.dirname(weights)
-        self.model, dense = dense_half.prepare(factory.load(weights, devices), self.config, model_dir, devices)
+        loaded = factory.load(weights, devices)
+        self._hot_rows(loaded, single=len(devices) == 1)
+        self.model, dense = dense_half.prepare(loaded, self.config, model_dir, devices)
         frozen = factory.freeze_dense(self.model) if len(devices) == 1 and dense.startswith("fp32") else []
         return dense, frozen
+
+    def _hot_rows(self, model: torch.nn.Module, single: bool) -> None:
+        """A packed model (dlrmkit/hot.py): its hot rows read into the page cache (and locked where the
+        process may) before the worker reports ready; lookups redirected to them (handler.hot_rows).
+        handler.count_ids_dir: the counter of looked-up ids started."""
+        c = self.config.hot
+        index: HotIndex | None = getattr(model, "hot_index", None)
+        if index is not None and c.hot_rows and single and self.device.type == "cpu":
+            qebc = model.get_submodule("sparse_arch.embedding_bag_collection")
+            views = {k[len(TABLES) : -len(".weight")]: v for k, v in fused_tables(qebc).items()}
+            self.hot, self.warmed = index, warm(index.regions(views), lock=mapped_read_only())
+            logger.info(
+                "hot rows: %d rows (%.1f MiB) of %d tables, read in %.2f s, %s",
+                len(index),
+                self.warmed["bytes"] / 2**20,
+                len(index.hot),
+                self.warmed["seconds"],
+                "locked in memory" if self.warmed["locked"] else f"not locked: {self.warmed['why_not_locked']}",
+            )
+        elif index is not None:
+            self.hot = index if c.hot_rows else None
+            logger.info(
+                "hot rows: %d rows, %s",
+                len(index),
+                "redirected" if c.hot_rows else "not used (handler.hot_rows: false)",
+            )
+        if c.count_ids_dir:
+            self.counter = IdCounter(c.count_ids_dir, c.count_ids_every, worker=f"{self.model_id[0]}-{os.getpid()}")
 
     def _start_split_pool(self) -> None:
         """handler.split_rows: a large forward's parts run at once, on the pool's threads and this one."""
@@ -219,6 +253,9 @@ class Worker:
         pool, self.split_pool = self.split_pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+        counter, self.counter = self.counter, None
+        if counter is not None:
+            counter.close()
 
     # --- serving -------------------------------------------------------------------------------
 
@@ -267,6 +304,10 @@ class Worker:
         for group in groups:
             batch, bad = collate([p for _, p in group], self.config, self.device)
             errors.update({group[j][0]: e for j, e in bad.items()})
+            if batch is not None and self.counter is not None:
+                self.counter.observe(batch.sparse)
+            if batch is not None and self.hot is not None:
+                batch.sparse = self.hot.redirect(batch.sparse)
             if batch is not None:
                 forwards.append((batch, [i for j, (i, _) in enumerate(group) if j not in bad]))
         return RequestBatch(list(requests), forwards, errors)

@@ -17,6 +17,14 @@ and the weights file. Put it in TorchServe's model store (or pass its parent as 
 and register it by its directory name: TorchServe 0.12 loads a directory through a temporary
 directory of symbolic links to its files, so the workers memory-map the weights in place.
 
+Hot rows (``--hot-counts``): the most looked-up rows of all tables, up to ``--hot-mib``, are copied
+together after their tables' rows, so that most lookups read a few dense pages (dlrmkit/hot.py,
+docs/scale.md). The counts come from serving workers (handler.count_ids_dir) or from a sample of
+training data (scripts/count_ids.py); without them every row stays in id order (unpacked).
+
+    python scripts/build_big.py --config model-config.dlrmv2.yaml --full --dtype int8 \
+        --hot-counts counts/ --hot-mib 2048 --out /work/big/store/dlrmv2-int8
+
 The disk needed is printed first; the build refuses to start without it (plus 2 GiB kept free).
 """
 
@@ -89,6 +97,36 @@ def model_directory(out: Path, config_file: Path, model_name: str, version: str,
     return out
 
 
+def hot_rows(args, config) -> dict:
+    """Table -> hot ids (hottest first) from ``--hot-counts`` within ``--hot-mib``; {} without counts."""
+    import torch
+
+    from dlrmkit import hot, stream
+
+    if not args.hot_counts:
+        print("[build] no --hot-counts: rows stay in id order (unpacked; docs/scale.md)", flush=True)
+        return {}
+    if args.hot_mib <= 0:
+        from dlrmkit.errors import ConfigError
+
+        raise ConfigError(f"--hot-mib: expected a positive number of MiB, got {args.hot_mib} (e.g. --hot-mib 2048)")
+    counts = hot.read_counts(args.hot_counts)
+    rows = dict(zip(config.sparse_features, config.num_embeddings))
+    chosen = hot.choose(counts, rows, stream.row_bytes(config), args.hot_mib << 20)
+    n = sum(len(h) for h in chosen.values())
+    total = sum(int(c.sum()) for _, c in counts.values())
+    covered = 0
+    for t, h in chosen.items():
+        ids, c = counts[t]
+        covered += int(c[torch.isin(ids, h)].sum())
+    print(
+        f"[build] hot rows: {n:,} rows of {len(chosen)} tables ({n * stream.row_bytes(config) / 2**20:.1f} MiB), "
+        f"{covered / max(total, 1):.1%} of the {total:,} counted lookups",
+        flush=True,
+    )
+    return chosen
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "model-config.yaml"), help="model config (default: %(default)s)")
@@ -110,6 +148,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--version", default="1.0")
     ap.add_argument(
         "--chunk-mib", type=int, default=256, help="fp32 MiB of rows quantized at once (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--hot-counts",
+        nargs="+",
+        metavar="PATH",
+        help="id counts files (or directories of them) from handler.count_ids_dir or scripts/count_ids.py: "
+        "the most looked-up rows are packed together (default: none, rows in id order)",
+    )
+    ap.add_argument(
+        "--hot-mib",
+        type=int,
+        default=2048,
+        help="with --hot-counts: MiB of hot rows' copies (scripts/sizing.py --counts says what a size "
+        "buys; default: %(default)s)",
     )
     ap.add_argument("--json", metavar="FILE", help="write the build's measurements (time, peak RSS, sizes) here")
     ap.add_argument("--force", action="store_true", help="replace an existing --out")
@@ -134,7 +186,8 @@ def main(argv: list[str] | None = None) -> dict:
         config = config.with_changes(
             num_embeddings=tuple(rows), embedding_dtype=args.dtype or config.build.embedding_dtype
         )
-        need = stream.file_bytes(config)
+        hot = hot_rows(args, config)
+        need = stream.file_bytes(config, {t: len(h) for t, h in hot.items()})
         print(
             f"[build] {out}: {sum(rows):,} rows, {config.build.embedding_dtype}: needs {need / 2**30:.2f} GiB of disk",
             flush=True,
@@ -154,7 +207,12 @@ def main(argv: list[str] | None = None) -> dict:
             derived_config(Path(args.config), cfg, rows, config.build.embedding_dtype)
             model_directory(out, cfg, args.model_name or out.name, args.version)
         result = stream.write_weights(
-            out / "dlrm.pt", config, source, chunk_bytes=args.chunk_mib << 20, log=lambda m: print(m, flush=True)
+            out / "dlrm.pt",
+            config,
+            source,
+            chunk_bytes=args.chunk_mib << 20,
+            log=lambda m: print(m, flush=True),
+            hot=hot,
         )
     except ConfigError as e:
         sys.exit(f"error: {e}")

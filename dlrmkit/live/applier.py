@@ -35,6 +35,7 @@ from dlrmkit.live.tables import SharedTables, write_all
 from dlrmkit.live.validate import Target
 from dlrmkit.live.writer import Prepared, TableWriter, WriterProcess, class_path, log_applied
 from dlrmkit.model import DLRMFactory
+from dlrmkit.hot import HotIndex
 from dlrmkit.scale import fused_tables
 
 logger = logging.getLogger(__name__)
@@ -90,8 +91,16 @@ class DeltaApplier:
         self.shared = SharedTables.of(qebc, Path(state_dir) / STATE_DIR, target.base) if shared else None
         self.side: int | None = None  # the shared side this worker reads (None: its own tables)
         widths = {t: v.shape[1] for t, v in self.views.items()}
+        self.hot: HotIndex | None = getattr(model, "hot_index", None)  # a packed model: both copies written
         self.writer = self.Writer(
-            directory, target, config.build.embedding_dtype, widths, self.shared, self._count_rows, self._count_refused
+            directory,
+            target,
+            config.build.embedding_dtype,
+            widths,
+            self.shared,
+            self._count_rows,
+            self._count_refused,
+            self.hot,
         )
         self.process = WriterProcess(self.shared, self._count_rows, self._count_refused) if self.shared else None
         self._started = time.time()
@@ -178,7 +187,19 @@ class DeltaApplier:
             "poll_s": self.poll_s,
             "target": dataclasses.asdict(self.target),
             "writer": class_path(type(self.writer)),
+            "hot": self._hot_file(),
         }
+
+    def _hot_file(self) -> str | None:
+        """A packed model's hot ids for the writer process (it loads no model): a file beside the sides."""
+        if self.hot is None or self.shared is None:
+            return None
+        path = self.shared.dir / f"hot-{self.shared.base}.pt"
+        if not path.is_file():
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            torch.save(self.hot.hot, tmp)
+            os.replace(tmp, path)
+        return str(path)
 
     def _count_rows(self, n: int) -> None:
         self.rows_applied += n

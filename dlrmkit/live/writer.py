@@ -23,6 +23,7 @@ import torch
 
 from dlrmkit.errors import DeltaError
 from dlrmkit.live.format import Delta, delta_path, read_delta, ready_sequences
+from dlrmkit.hot import HotIndex
 from dlrmkit.live.tables import SharedTables, Write, write_all
 from dlrmkit.live.validate import Target
 from dlrmkit.scale import fused_rows
@@ -65,8 +66,10 @@ class TableWriter:
         shared: SharedTables | None = None,
         on_rows: Callable[[int], None] | None = None,
         on_refused: Callable[[str], None] | None = None,
+        hot: HotIndex | None = None,
     ):
         self.directory, self.target, self.dtype, self.widths = Path(directory), target, dtype, dict(widths)
+        self.hot = hot  # a packed model's hot rows: a row written is written to its copy too
         self.shared = shared
         self.on_rows = on_rows or (lambda n: None)
         self.on_refused = on_refused or (lambda reason: None)
@@ -87,7 +90,7 @@ class TableWriter:
                 # Whole rows, the kernel's padding zero-filled as the build leaves it: one contiguous
                 # row copy each (a strided write of part rows took ~10x longer under the lock)
                 writes.append((t, ids, torch.nn.functional.pad(src, (0, width - src.shape[1]))))
-        return writes
+        return self.hot.expand(writes) if self.hot is not None else writes
 
     def checked(
         self, seq: int, ready: Mapping[int, Path], prepare: Callable[[Delta, int], Prepared] | None = None
@@ -249,7 +252,11 @@ def writer_main(argv: list[str] | None = None) -> None:
 
     widths = {name: shape[1] for name, (_, _, shape, _) in shared.layout.items()}
     writer_class = load_class(spec["writer"])
-    writer = writer_class(spec["directory"], target, spec["dtype"], widths, shared, on_rows, on_refused)
+    hot = None
+    if spec.get("hot"):
+        ids = torch.load(spec["hot"], map_location="cpu", weights_only=True)
+        hot = HotIndex({t: rows for t, (rows, _) in target.tables.items()}, ids)
+    writer = writer_class(spec["directory"], target, spec["dtype"], widths, shared, on_rows, on_refused, hot)
     dim = next(iter(target.tables.values()))[1]
     fused_rows({"warm": torch.zeros(1, dim)}, spec["dtype"])  # its imports and set-up before the first delta
     save()

@@ -1,0 +1,348 @@
+"""Hot rows: each table's most looked-up rows copied together at its end, so that most lookups
+read a few dense pages instead of one scattered page per row (tables larger than memory).
+
+A packed table of ``R`` rows with ``H`` hot rows is ``R + H`` kernel rows::
+
+    rows 0 .. R-1        every row, where it always was (a cold lookup reads it here)
+    rows R .. R+H-1      the H hot rows' copies, hottest first: kernel row R + j is row hot[j]
+
+A lookup of id ``i`` reads row ``R + j`` when ``i == hot[j]``, else row ``i`` (``HotIndex.redirect``,
+one ``searchsorted`` per table over the ids of a batch). The copies are the rows byte for byte, so a
+score is the same whichever copy a lookup reads, and a path that does not redirect (the dense
+half's warm-up, a probe) still scores right, only from colder pages. Live deltas write both
+copies (``HotIndex.expand``).
+
+Which rows are hot comes from id counts (``read_counts``): a counts file per table of (ids, times
+looked up), written by serving workers (``IdCounter``, handler.count_ids_dir), or by
+``scripts/count_ids.py`` from a sample of training data. ``choose`` takes the most counted rows of
+all tables until a byte budget is spent. The weights file keeps each table's hot ids under
+``HOT + table`` (int64, hottest first); a file without them is an unpacked model.
+
+``warm`` reads the hot rows' pages into the page cache before the worker reports ready, and locks
+them (``mlock``) where the process may: a read-only mapping (tables larger than memory) under a
+``RLIMIT_MEMLOCK`` at least their size (``docker run --ulimit memlock=-1``, or CAP_IPC_LOCK).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import mmap
+import os
+import resource
+import threading
+import time
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dlrmkit.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+HOT = "hot_rows."  # a table's hot ids in the weights file: HOT + table -> int64 [H], hottest first
+COUNTS_FORMAT = "dlrmkit-id-counts/1"
+Counts = dict[str, tuple[torch.Tensor, torch.Tensor]]  # table -> (ids int64 [N], times looked up int64 [N])
+Write = tuple[str, torch.Tensor, torch.Tensor]  # (table, ids, rows): dlrmkit.live's row writes
+_PAGE = mmap.PAGESIZE
+
+
+# --- counts ---------------------------------------------------------------------------------------
+
+
+def merge(parts: Iterable[Counts]) -> Counts:
+    """Counts summed table by table (an id in several parts: its counts added)."""
+    ids: dict[str, list[torch.Tensor]] = {}
+    counts: dict[str, list[torch.Tensor]] = {}
+    for part in parts:
+        for table, (i, c) in part.items():
+            ids.setdefault(table, []).append(i.to(torch.int64))
+            counts.setdefault(table, []).append(c.to(torch.int64))
+    out: Counts = {}
+    for table in ids:
+        unique, inverse = torch.unique(torch.cat(ids[table]), return_inverse=True)
+        out[table] = (
+            unique,
+            torch.zeros(len(unique), dtype=torch.int64).index_add_(0, inverse, torch.cat(counts[table])),
+        )
+    return out
+
+
+def count(values: Mapping[str, torch.Tensor]) -> Counts:
+    """Table -> looked-up ids (any order, repeats counted) as counts."""
+    out: Counts = {}
+    for table, v in values.items():
+        unique, n = torch.unique(v.to(torch.int64), return_counts=True)
+        out[table] = (unique, n)
+    return out
+
+
+def write_counts(path: str | Path, counts: Counts, source: str = "") -> None:
+    """A counts file (atomically: readers never see half of one)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save(
+        {
+            "format": COUNTS_FORMAT,
+            "source": source,
+            "tables": {t: {"ids": i, "counts": c} for t, (i, c) in counts.items()},
+        },
+        tmp,
+    )
+    os.replace(tmp, path)
+
+
+def read_counts(paths: Sequence[str | Path]) -> Counts:
+    """The counts of every file named, or of every ``*.pt`` file in a directory named, summed."""
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files.extend(sorted(p.glob("*.pt")))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise ConfigError(f"--hot-counts: {p}: no such file or directory")
+    if not files:
+        raise ConfigError(f"--hot-counts: no counts file (*.pt) in {', '.join(map(str, paths))}")
+    parts = []
+    for f in files:
+        try:
+            doc = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # torch raises several types for a file that is not its own
+            raise ConfigError(f"--hot-counts: {f}: not a counts file ({type(e).__name__}: {e})") from None
+        if not isinstance(doc, dict) or doc.get("format") != COUNTS_FORMAT:
+            raise ConfigError(
+                f"--hot-counts: {f}: not a counts file (expected format {COUNTS_FORMAT!r}; "
+                "write one with scripts/count_ids.py or handler.count_ids_dir)"
+            )
+        part = {}
+        for table, entry in doc["tables"].items():
+            i, c = entry["ids"], entry["counts"]
+            if i.shape != c.shape or i.dim() != 1:
+                raise ConfigError(f"--hot-counts: {f}: table {table!r}: ids {list(i.shape)} and counts {list(c.shape)}")
+            part[table] = (i, c)
+        parts.append(part)
+    return merge(parts)
+
+
+def choose(counts: Counts, rows: Mapping[str, int], row_bytes: int, budget_bytes: int) -> dict[str, torch.Tensor]:
+    """Table -> its hot ids, hottest first: the most counted rows of all tables together (every
+    table's rows cost ``row_bytes``) until ``budget_bytes`` is spent. Ids outside a table, tables
+    the model does not have, and rows counted once are left out (a row seen once in a sample is
+    no evidence of heat). Ties go to the lower id."""
+    unknown = sorted(set(counts) - set(rows))
+    if unknown:
+        raise ConfigError(
+            f"--hot-counts: table {unknown[0]!r} is not in the model config (its tables: {', '.join(list(rows)[:5])}...)"
+        )
+    keep = budget_bytes // row_bytes
+    names = [t for t in rows if t in counts]
+    per: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for t in names:
+        i, c = counts[t]
+        ok = (i >= 0) & (i < rows[t]) & (c >= 2)
+        per.append((i[ok], c[ok]))
+    if keep <= 0 or not per:
+        return {}
+    all_counts = torch.cat([c for _, c in per])
+    table_of = torch.cat([torch.full((len(c),), k, dtype=torch.int64) for k, (_, c) in enumerate(per)])
+    ids = torch.cat([i for i, _ in per])
+    # hottest first; ties: table order, then id (ids are sorted within a table by merge/unique)
+    order = torch.argsort(-all_counts, stable=True)[:keep]
+    out = {}
+    for k, t in enumerate(names):
+        mine = order[table_of[order] == k]
+        if len(mine):
+            out[t] = ids[mine].contiguous()
+    return out
+
+
+# --- serving ----------------------------------------------------------------------------------------
+
+
+class HotIndex:
+    """Where each table's hot rows' copies lie: redirects looked-up ids to them, and makes a row
+    write (a live delta) write both copies.
+
+    >>> index = HotIndex({"t": 10}, {"t": torch.tensor([7, 2])})
+    >>> index.kernel_row("t", torch.tensor([2, 3, 7]))
+    tensor([11,  3, 10])
+    """
+
+    def __init__(self, rows: Mapping[str, int], hot: Mapping[str, torch.Tensor]):
+        self.rows = dict(rows)
+        self.hot = {t: h.to(torch.int64) for t, h in hot.items() if len(h)}
+        self._sorted: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for t, h in self.hot.items():
+            if t not in self.rows:
+                raise ConfigError(f"the weights' hot rows name table {t!r}, which the model config does not have")
+            ids, slot = torch.sort(h)
+            if len(ids) > 1 and bool((ids[1:] == ids[:-1]).any()):
+                raise ConfigError(f"table {t!r}: the weights' hot rows repeat an id")
+            if int(ids[0]) < 0 or int(ids[-1]) >= self.rows[t]:
+                raise ConfigError(f"table {t!r}: a hot row id is outside the table's {self.rows[t]} rows")
+            self._sorted[t] = (ids, slot + self.rows[t])
+
+    def __len__(self) -> int:
+        return sum(len(h) for h in self.hot.values())
+
+    def kernel_row(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """The kernel row each id of ``table`` reads: its hot copy where it has one, else itself."""
+        if table not in self._sorted or not len(ids):
+            return ids
+        hot, where = self._sorted[table]
+        pos = torch.searchsorted(hot, ids).clamp_(max=len(hot) - 1)
+        return torch.where(hot[pos] == ids, where[pos], ids)
+
+    def redirect(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """The batch with every hot id pointing at its copy (keys are tables: one per feature)."""
+        values = kjt.values()
+        out = values
+        at = 0
+        for key, n in zip(kjt.keys(), kjt.length_per_key()):
+            if key in self._sorted and n:
+                if out is values:
+                    out = values.clone()
+                out[at : at + n] = self.kernel_row(key, values[at : at + n])
+            at += n
+        if out is values:
+            return kjt
+        return KeyedJaggedTensor(keys=kjt.keys(), values=out, lengths=kjt.lengths(), weights=kjt.weights_or_none())
+
+    def expand(self, writes: Sequence[Write]) -> list[Write]:
+        """Row writes plus the same rows written to their hot copies."""
+        out = list(writes)
+        for table, ids, src in writes:
+            got = self.kernel_row(table, ids)
+            moved = got != ids
+            if bool(moved.any()):
+                out.append((table, got[moved], src[moved.to(src.device)]))
+        return out
+
+    def regions(self, views: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The hot copies of each table (table -> its kernel rows, uint8 [R + H, row bytes])."""
+        return [views[t][self.rows[t] :] for t in self.hot if t in views]
+
+
+def warm(regions: Sequence[torch.Tensor], lock: bool) -> dict:
+    """Read ``regions`` (views of mapped tables) into the page cache, page by page, and with
+    ``lock`` mlock them. Returns what it did: bytes, seconds, locked (bool) and why not."""
+    started = time.perf_counter()
+    total = 0
+    spans = []
+    for r in regions:
+        if r.numel() == 0:
+            continue
+        first = r.data_ptr()
+        last = r[-1].data_ptr() + r.shape[1]
+        lo, hi = first - first % _PAGE, last + (-last) % _PAGE
+        spans.append((lo, hi - lo))
+        total += hi - lo
+        _madvise(lo, hi - lo, mmap.MADV_WILLNEED)
+        flat = r.reshape(-1) if r.is_contiguous() else r.contiguous().view(-1)
+        int(flat[:: max(1, _PAGE)].sum())  # one byte of every page: each is read now, not by a request
+    result: dict = {"bytes": total, "regions": len(spans), "locked": False}
+    if lock and spans:
+        result.update(_mlock(spans, total))
+    elif spans:
+        result["why_not_locked"] = (
+            "the tables are a private mapping (tables that fit memory): the page cache keeps them"
+        )
+    result["seconds"] = round(time.perf_counter() - started, 3)
+    return result
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def _madvise(addr: int, length: int, advice: int) -> None:
+    _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), ctypes.c_int(advice))  # advice: failure is harmless
+
+
+def _mlock(spans: Sequence[tuple[int, int]], total: int) -> dict:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    done: list[tuple[int, int]] = []
+    for addr, length in spans:
+        if _libc.mlock(ctypes.c_void_p(addr), ctypes.c_size_t(length)) != 0:
+            err = ctypes.get_errno()
+            for a, n in done:
+                _libc.munlock(ctypes.c_void_p(a), ctypes.c_size_t(n))
+            limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / 2**20:.1f} MiB"
+            return {
+                "locked": False,
+                "why_not_locked": f"mlock: {os.strerror(err)} (RLIMIT_MEMLOCK {limit}, hot rows "
+                f"{total / 2**20:.1f} MiB; docker run --ulimit memlock=-1 or CAP_IPC_LOCK lifts it)",
+            }
+        done.append((addr, length))
+    return {"locked": True}
+
+
+class IdCounter:
+    """Counts the ids a worker looks up, one forward in ``every``, into ``directory``/counts-<pid>.pt
+    (a counts file ``read_counts`` reads) every ``flush_s`` seconds. The serving thread only keeps
+    a reference to the sampled batch's ids; a daemon thread counts and writes them."""
+
+    def __init__(self, directory: str | Path, every: int, flush_s: float = 60.0, worker: str | None = None):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / f"counts-{worker or os.getpid()}.pt"
+        self.every, self.flush_s = every, flush_s
+        self.seen = 0
+        self.sampled = 0
+        self._pending: list[Mapping[str, torch.Tensor]] = []
+        self._total: Counts = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dlrm-count-ids", daemon=True)
+        self._thread.start()
+
+    def observe(self, kjt: KeyedJaggedTensor) -> None:
+        """A forward's ids (before any redirect): every ``every``-th call is kept for counting."""
+        self.seen += 1
+        if self.seen % self.every:
+            return
+        self.sampled += 1
+        with self._lock:
+            self._pending.append(dict(zip(kjt.keys(), torch.split(kjt.values(), kjt.length_per_key()))))
+            if len(self._pending) >= 64:
+                self._wake.set()
+
+    def flush(self) -> Path:
+        """Count what is pending and write the file now."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        if pending:
+            self._total = merge([self._total, *(count(p) for p in pending)])
+        write_counts(self.path, self._total, source=f"serving worker {os.getpid()}, one forward in {self.every}")
+        return self.path
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while not self._stop.is_set():
+            self._wake.wait(timeout=max(0.05, self.flush_s - (time.monotonic() - last)))
+            self._wake.clear()
+            with self._lock:
+                pending, self._pending = self._pending, []
+            if pending:
+                self._total = merge([self._total, *(count(p) for p in pending)])
+            if time.monotonic() - last >= self.flush_s:
+                try:
+                    write_counts(
+                        self.path, self._total, source=f"serving worker {os.getpid()}, one forward in {self.every}"
+                    )
+                except OSError as e:
+                    logger.warning("handler.count_ids_dir: cannot write %s: %s", self.path, e)
+                last = time.monotonic()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5)
+        try:
+            self.flush()
+        except OSError as e:
+            logger.warning("handler.count_ids_dir: cannot write %s: %s", self.path, e)

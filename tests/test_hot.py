@@ -1,0 +1,218 @@
+"""Hot rows (dlrmkit/hot.py, scripts/build_big.py --hot-counts): a packed model scores exactly as the
+unpacked one, every dtype; the build, the worker's redirect, its warm-up, live deltas and the id
+counter."""
+
+from __future__ import annotations
+
+import mmap
+
+import pytest
+import torch
+import yaml
+
+from conftest import TINY, tiny_config
+from dlrmkit import hot, stream
+from dlrmkit.errors import ConfigError
+from dlrmkit.model import DLRMFactory
+from dlrmkit.scale import TABLES, fused_tables
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+DTYPES = ["fp32", "fp16", "int8", "int4"]
+ROWS = [300, 37, 513]
+
+
+def skewed_batch(config, n=96, seed=5):
+    """n rows whose ids lean on a few rows of each table (the hot ones), 1-4 ids per feature."""
+    gen = torch.Generator().manual_seed(seed)
+    dense = torch.randn(n, config.num_dense_features, generator=gen)
+    lengths = torch.randint(1, 5, (config.num_features * n,), generator=gen)
+    values = []
+    for f, rows in enumerate(config.num_embeddings):
+        k = int(lengths[f * n : (f + 1) * n].sum())
+        hot_part = torch.randint(0, 8, (k,), generator=gen) * 7 % rows  # rows 0, 7, 14, ... 49
+        cold_part = torch.randint(0, rows, (k,), generator=gen)
+        values.append(torch.where(torch.rand(k, generator=gen) < 0.6, hot_part, cold_part))
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    return dense, KeyedJaggedTensor(keys=list(config.sparse_features), values=torch.cat(values), lengths=lengths)
+
+
+def counts_of(config, kjt) -> hot.Counts:
+    return hot.count({k: v.values() for k, v in kjt.to_dict().items()})
+
+
+def build(tmp_path, config, chosen=None, name="dlrm.pt"):
+    path = tmp_path / name
+    stream.write_weights(
+        path, config, stream.RandomSource(config), chunk_bytes=64 * 8 * 4, log=lambda _: None, hot=chosen
+    )
+    return path
+
+
+def logits(model, dense, kjt):
+    with torch.inference_mode():
+        return model(dense, kjt).squeeze(1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_packed_model_scores_exactly_as_the_unpacked_one(tmp_path, dtype):
+    config = tiny_config(embedding_dtype=dtype, num_embeddings=ROWS)
+    dense, kjt = skewed_batch(config)
+    rows = dict(zip(config.sparse_features, config.num_embeddings))
+    chosen = hot.choose(counts_of(config, skewed_batch(config, seed=9)[1]), rows, stream.row_bytes(config), 1 << 20)
+    assert all(len(h) >= 8 for h in chosen.values())
+    plain = DLRMFactory(config).load(build(tmp_path, config))
+    packed = DLRMFactory(config).load(build(tmp_path, config, chosen, "packed.pt"))
+    assert plain.hot_index is None and packed.hot_index is not None
+    index = packed.hot_index
+    redirected = index.redirect(kjt)
+    moved = redirected.values() != kjt.values()
+    assert moved.float().mean() > 0.3  # most lookups read a copy
+    want = logits(plain, dense, kjt)
+    assert torch.equal(logits(packed, dense, redirected), want)
+    assert torch.equal(logits(packed, dense, kjt), want)  # the rows where they lie: the same
+    # the copies are the rows, byte for byte
+    views = fused_tables(packed.sparse_arch.embedding_bag_collection)
+    for t, ids in chosen.items():
+        table = views[f"{TABLES}{t}.weight"]
+        assert table.shape[0] == rows[t] + len(ids)
+        assert torch.equal(table[rows[t] :], table[ids])
+    # one id sent to the wrong copy moves a score: the check above can fail
+    t = config.sparse_features[0]
+    wrong = dict(chosen)
+    wrong[t] = torch.roll(chosen[t], 1)
+    swapped = hot.HotIndex(rows, wrong).redirect(kjt)
+    assert not torch.equal(logits(packed, dense, swapped), want)
+
+
+def test_choose_takes_the_most_counted_rows_of_all_tables_within_the_budget():
+    counts = {
+        "a": (torch.tensor([1, 2, 3, 9]), torch.tensor([50, 3, 1, 7])),
+        "b": (torch.tensor([0, 5, 99]), torch.tensor([20, 7, 100])),
+    }
+    rows = {"a": 10, "b": 10, "c": 4}
+    # b:99 is outside table b, a:3 was seen once: neither is hot; ties (7) go to table order
+    got = hot.choose(counts, rows, row_bytes=16, budget_bytes=16 * 4)
+    assert {t: h.tolist() for t, h in got.items()} == {"a": [1, 9], "b": [0, 5]}
+    got = hot.choose(counts, rows, row_bytes=16, budget_bytes=16 * 2)
+    assert {t: h.tolist() for t, h in got.items()} == {"a": [1], "b": [0]}
+    with pytest.raises(ConfigError, match="table 'zz' is not in the model config"):
+        hot.choose({"zz": counts["a"]}, rows, 16, 64)
+
+
+def test_counts_files_and_directories_are_summed(tmp_path):
+    hot.write_counts(tmp_path / "one.pt", {"a": (torch.tensor([1, 2]), torch.tensor([3, 4]))})
+    (tmp_path / "d").mkdir()
+    hot.write_counts(
+        tmp_path / "d" / "two.pt",
+        {"a": (torch.tensor([2, 7]), torch.tensor([1, 1])), "b": (torch.tensor([0]), torch.tensor([5]))},
+    )
+    got = hot.read_counts([tmp_path / "one.pt", tmp_path / "d"])
+    assert {t: (i.tolist(), c.tolist()) for t, (i, c) in got.items()} == {"a": ([1, 2, 7], [3, 5, 1]), "b": ([0], [5])}
+    (tmp_path / "bad.pt").write_bytes(b"no")
+    with pytest.raises(ConfigError, match=r"bad\.pt: not a counts file"):
+        hot.read_counts([tmp_path / "bad.pt"])
+    torch.save({"a": 1}, tmp_path / "other.pt")
+    with pytest.raises(ConfigError, match="expected format 'dlrmkit-id-counts/1'"):
+        hot.read_counts([tmp_path / "other.pt"])
+    with pytest.raises(ConfigError, match="no such file"):
+        hot.read_counts([tmp_path / "missing"])
+
+
+def test_a_row_written_is_written_to_its_copy_too():
+    index = hot.HotIndex({"a": 10, "b": 5}, {"a": torch.tensor([7, 2])})
+    src = torch.arange(12, dtype=torch.uint8).view(3, 4)
+    writes = index.expand([("a", torch.tensor([2, 3, 7]), src), ("b", torch.tensor([2]), src[:1])])
+    assert [(t, i.tolist(), s.tolist()) for t, i, s in writes] == [
+        ("a", [2, 3, 7], src.tolist()),
+        ("b", [2], src[:1].tolist()),
+        ("a", [11, 10], [src[0].tolist(), src[2].tolist()]),
+    ]
+    with pytest.raises(ConfigError, match="outside the table"):
+        hot.HotIndex({"a": 10}, {"a": torch.tensor([10])})
+    with pytest.raises(ConfigError, match="repeat"):
+        hot.HotIndex({"a": 10}, {"a": torch.tensor([1, 1])})
+
+
+def test_warm_reads_the_hot_pages_and_locks_them_where_it_may(tmp_path):
+    path = tmp_path / "rows.bin"
+    path.write_bytes(bytes(64 * mmap.PAGESIZE))
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        table = torch.frombuffer(mapped, dtype=torch.uint8).view(-1, 128)
+    region = table[100:300]  # 200 rows of 128 bytes from byte 12,800: pages 3..9
+    got = hot.warm([region], lock=False)
+    assert got["bytes"] == 7 * mmap.PAGESIZE and not got["locked"] and "private mapping" in got["why_not_locked"]
+    got = hot.warm([region], lock=True)
+    # root (CI) may lock any amount; elsewhere RLIMIT_MEMLOCK decides, and the reason is said
+    assert got["locked"] or "RLIMIT_MEMLOCK" in got["why_not_locked"]
+
+
+def test_the_counter_writes_what_it_sampled(tmp_path):
+    config = tiny_config()
+    counter = hot.IdCounter(tmp_path / "counts", every=2, flush_s=3600)
+    batches = [skewed_batch(config, n=8, seed=s)[1] for s in range(6)]
+    for kjt in batches:
+        counter.observe(kjt)
+    counter.close()
+    got = hot.read_counts([tmp_path / "counts"])
+    want = hot.merge(counts_of(config, kjt) for kjt in batches[1::2])  # every second forward
+    assert set(got) == set(want)
+    for t in want:
+        assert torch.equal(got[t][0], want[t][0]) and torch.equal(got[t][1], want[t][1]), t
+
+
+def test_build_big_packs_from_counts_and_the_worker_serves_it_warm(tmp_path):
+    from scripts import build_big
+
+    from dlrmkit.protocols import open_request
+    from dlrmkit.worker import Worker, read_model_dir
+
+    config = tiny_config(num_embeddings=ROWS)
+    hot.write_counts(tmp_path / "counts.pt", counts_of(config, skewed_batch(config, n=256, seed=2)[1]))
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"handler": {**TINY, "num_embeddings": ROWS}}))
+    packed, plain = tmp_path / "store" / "packed", tmp_path / "store" / "plain"
+    args = ["--config", str(cfg), "--dtype", "int8"]
+    result = build_big.main(
+        [*args, "--out", str(packed), "--hot-counts", str(tmp_path / "counts.pt"), "--hot-mib", "1"]
+    )
+    assert result["hot_rows"] > 0
+    assert build_big.main([*args, "--out", str(plain)])["hot_rows"] == 0
+    with pytest.raises(SystemExit, match="--hot-mib: expected a positive number"):
+        build_big.main(
+            [*args, "--out", str(tmp_path / "x"), "--hot-counts", str(tmp_path / "counts.pt"), "--hot-mib", "0"]
+        )
+
+    dense, kjt = skewed_batch(config, n=8, seed=11)
+    feats = kjt.to_dict()
+    bodies = []
+    for r in range(8):
+        sparse = {"keys": [], "values": [], "lengths": []}
+        for name in config.sparse_features:
+            v = feats[name]
+            ids = v.values()[v.offsets()[r] : v.offsets()[r + 1]].tolist()
+            sparse["keys"].append(name)
+            sparse["values"].extend(ids)
+            sparse["lengths"].append(len(ids))
+        bodies.append({"dense": dense[r].tolist(), "sparse": sparse})
+    answers = {}
+    for name, where in (("packed", packed), ("plain", plain)):
+        w = Worker()
+        manifest, model_yaml = read_model_dir(where)
+        w.load(where, manifest, model_yaml)
+        try:
+            if name == "packed":
+                assert w.hot is not None and w.warmed is not None and w.warmed["bytes"] > 0
+            else:
+                assert w.hot is None
+            data, _ = w.score([open_request(b, False, None, w.parser, w.model_id, "application/json") for b in bodies])
+            assert not data.errors, data.errors
+            answers[name] = [data.scores[i] for i in range(len(bodies))]
+        finally:
+            w.close()
+    assert answers["packed"] == answers["plain"]
