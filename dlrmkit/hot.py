@@ -143,7 +143,7 @@ def choose(counts: Counts, rows: Mapping[str, int], row_bytes: int, budget_bytes
     per: list[tuple[torch.Tensor, torch.Tensor]] = []
     for t in names:
         i, c = counts[t]
-        ok = (i >= 0) & (i < rows[t]) & (c >= 2)
+        ok = (i >= 0) & (i < rows[t])
         per.append((i[ok], c[ok]))
     if keep <= 0 or not per:
         return {}

@@ -91,9 +91,11 @@ def test_choose_takes_the_most_counted_rows_of_all_tables_within_the_budget():
         "b": (torch.tensor([0, 5, 99]), torch.tensor([20, 7, 100])),
     }
     rows = {"a": 10, "b": 10, "c": 4}
-    # b:99 is outside table b, a:3 was seen once: neither is hot; ties (7) go to table order
+    # b:99 is outside table b; ties (7) go to table order
     got = hot.choose(counts, rows, row_bytes=16, budget_bytes=16 * 4)
     assert {t: h.tolist() for t, h in got.items()} == {"a": [1, 9], "b": [0, 5]}
+    got = hot.choose(counts, rows, row_bytes=16, budget_bytes=16 * 100)
+    assert {t: h.tolist() for t, h in got.items()} == {"a": [1, 9, 2, 3], "b": [0, 5]}
     got = hot.choose(counts, rows, row_bytes=16, budget_bytes=16 * 2)
     assert {t: h.tolist() for t, h in got.items()} == {"a": [1], "b": [0]}
     with pytest.raises(ConfigError, match="table 'zz' is not in the model config"):
