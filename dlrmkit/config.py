@@ -97,9 +97,12 @@ class Hot:
     """Hot rows (dlrmkit/hot.py, docs/scale.md): ``hot_rows`` redirects lookups of a packed
     model's hot ids to their copies (false: every id read where it lies, as unpacked, to compare);
     ``count_ids_dir``: where each worker writes the ids it looks up (one forward in
-    ``count_ids_every``) as a counts file for ``scripts/build_big.py --hot-counts``; None: off."""
+    ``count_ids_every``) as a counts file for ``scripts/build_big.py --hot-counts``; None: off.
+    ``prefetch``: before each forward, the pages its lookups read in tables of 256 MiB or more are
+    asked of the disk at once (tables larger than memory), rather than faulted in one by one."""
 
     hot_rows: bool = True
+    prefetch: bool = True
     count_ids_dir: str | None = None
     count_ids_every: int = 16
 
@@ -340,9 +343,10 @@ def _live(raw: Mapping[str, Any]) -> Live:
 
 
 def _hot(raw: Mapping[str, Any]) -> Hot:
-    """``hot_rows`` (bool), ``count_ids_dir`` (None: off) and ``count_ids_every`` (>= 1)."""
-    if not isinstance(raw.get("hot_rows", True), bool):
-        raise ConfigError(f"handler.hot_rows: expected true or false, got {raw['hot_rows']!r} (e.g. hot_rows: true)")
+    """``hot_rows``, ``prefetch`` (bools), ``count_ids_dir`` (None: off) and ``count_ids_every`` (>= 1)."""
+    for key in ("hot_rows", "prefetch"):
+        if not isinstance(raw.get(key, True), bool):
+            raise ConfigError(f"handler.{key}: expected true or false, got {raw[key]!r} (e.g. {key}: true)")
     where = raw.get("count_ids_dir")
     if where is not None and (not isinstance(where, str) or not where):
         raise ConfigError(
@@ -354,7 +358,12 @@ def _hot(raw: Mapping[str, Any]) -> Hot:
             f"handler.count_ids_every: expected a positive integer (one forward in N counted), got {every!r} "
             "(e.g. count_ids_every: 16)"
         )
-    return Hot(hot_rows=raw.get("hot_rows", True), count_ids_dir=where, count_ids_every=every)
+    return Hot(
+        hot_rows=raw.get("hot_rows", True),
+        prefetch=raw.get("prefetch", True),
+        count_ids_dir=where,
+        count_ids_every=every,
+    )
 
 
 def _interaction(raw: Mapping[str, Any], dim: int) -> dict[str, Any]:

@@ -280,6 +280,52 @@ def _mlock(spans: Sequence[tuple[int, int]], total: int) -> dict:
     return {"locked": True}
 
 
+class Prefetch:
+    """Tables larger than memory: before a forward, every page its lookups read outside the hot rows
+    is asked of the disk at once (``MADV_WILLNEED`` per page: the reads queued together), so the
+    forward's page faults wait on reads already in flight instead of one read after another. Only
+    tables of at least ``min_bytes`` (the others stay in the page cache); a page already cached
+    costs a lookup in it.
+
+    ``qebc``: torchrec's quantized EBC (fbgemm kernels over mapped weights); ``rows``: table -> its
+    own rows (the hot copies after them are warm already). The kernel's buffer is read at each call,
+    so a live update's flip to another buffer is followed."""
+
+    def __init__(self, qebc, rows: Mapping[str, int], min_bytes: int = 256 << 20):
+        self.tables: dict[str, tuple[object, int, int, int, int]] = {}
+        for tables, tbe in zip(qebc._key_to_tables.values(), qebc._emb_modules):
+            start = tbe.weights_host.data_ptr()
+            for cfg, (view, _, _) in zip(tables, tbe.split_embedding_weights_with_scale_bias(split_scale_bias_mode=0)):
+                own = rows[cfg.name]
+                if own * view.stride(0) >= min_bytes:
+                    self.tables[cfg.name] = (tbe, view.data_ptr() - start, view.stride(0), view.shape[1], own)
+
+    def __bool__(self) -> bool:
+        return bool(self.tables)
+
+    def __call__(self, kjt: KeyedJaggedTensor) -> int:
+        """Ask for the pages ``kjt``'s lookups will read; returns how many pages were asked for."""
+        values = kjt.values()
+        asked = 0
+        at = 0
+        for key, n in zip(kjt.keys(), kjt.length_per_key()):
+            entry = self.tables.get(key)
+            if entry is not None and n:
+                tbe, offset, stride, width, own = entry
+                ids = values[at : at + n]
+                ids = ids[ids < own]
+                base = tbe.weights_host.data_ptr() + offset  # type: ignore[attr-defined]  # fbgemm's kernel
+                first = (base + ids * stride) // _PAGE
+                pages = torch.unique(torch.cat([first, (base + ids * stride + width - 1) // _PAGE]))
+                for page in pages.tolist():
+                    _libc.madvise(
+                        ctypes.c_void_p(page * _PAGE), ctypes.c_size_t(_PAGE), ctypes.c_int(mmap.MADV_WILLNEED)
+                    )
+                asked += len(pages)
+            at += n
+        return asked
+
+
 class IdCounter:
     """Counts the ids a worker looks up, one forward in ``every``, into ``directory``/counts-<pid>.pt
     (a counts file ``read_counts`` reads) every ``flush_s`` seconds. The serving thread only keeps

@@ -41,7 +41,7 @@ from dlrmkit.config import DLRMConfig
 from dlrmkit.cpus import available_cpus, split_parts, torch_threads
 from dlrmkit.errors import BadRequest, ConfigError, OutOfMemory, RequestError, ServerError
 from dlrmkit.forms import RequestParser
-from dlrmkit.hot import HotIndex, IdCounter, warm
+from dlrmkit.hot import HotIndex, IdCounter, Prefetch, warm
 from dlrmkit.live import DeltaApplier, start_watcher
 from dlrmkit.live.applier import Emit
 from dlrmkit.model import DLRMFactory
@@ -104,6 +104,7 @@ class Worker:
     hot: HotIndex | None = None  # a packed model's hot rows, where lookups are redirected (handler.hot_rows)
     warmed: dict | None = None  # what warming the hot rows did (bytes, seconds, locked)
     counter: IdCounter | None = None  # with handler.count_ids_dir: counts the looked-up ids
+    prefetch: Prefetch | None = None  # handler.prefetch: the pages of a forward's lookups asked for at once
 
     def load(
         self,
@@ -182,9 +183,18 @@ class Worker:
     def _hot_rows(self, model: torch.nn.Module, single: bool) -> None:
         """A packed model (dlrmkit/hot.py): its hot rows read into the page cache (and locked where the
         process may) before the worker reports ready; lookups redirected to them (handler.hot_rows).
-        handler.count_ids_dir: the counter of looked-up ids started."""
+        handler.count_ids_dir: the counter of looked-up ids started. handler.prefetch: tables of 256 MiB
+        or more get their pages asked for before each forward."""
         c = self.config.hot
         index: HotIndex | None = getattr(model, "hot_index", None)
+        if c.prefetch and single and self.device.type == "cpu":
+            qebc = model.get_submodule("sparse_arch.embedding_bag_collection")
+            prefetch = Prefetch(qebc, dict(zip(self.config.sparse_features, self.config.num_embeddings)))
+            if prefetch:
+                self.prefetch = prefetch
+                logger.info(
+                    "prefetch: the pages of each forward's lookups in %s asked for at once", ", ".join(prefetch.tables)
+                )
         if index is not None and c.hot_rows and single and self.device.type == "cpu":
             qebc = model.get_submodule("sparse_arch.embedding_bag_collection")
             views = {k[len(TABLES) : -len(".weight")]: v for k, v in fused_tables(qebc).items()}
@@ -316,6 +326,8 @@ class Worker:
         """One forward pass per group of good rows. A failed forward is the server's fault, not a
         request's: ``ServerError`` (``OutOfMemory``, 507, or 500) fails this call only."""
         for batch, index in data.forwards:
+            if self.prefetch is not None:
+                self.prefetch(batch.sparse)
             try:
                 per_request = scores(self.model, batch, self.config, self.split_pool, self.split_parts)
             except Exception as e:

@@ -218,3 +218,54 @@ def test_build_big_packs_from_counts_and_the_worker_serves_it_warm(tmp_path):
         finally:
             w.close()
     assert answers["packed"] == answers["plain"]
+
+
+def resident(addr: int, length: int) -> list[bool]:
+    """mincore: which pages of [addr, addr + length) are in the page cache (addr page-aligned)."""
+    import ctypes
+
+    pages = (length + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * pages)()
+    assert hot._libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(length), vec) == 0
+    return [bool(b & 1) for b in vec]
+
+
+def test_prefetch_asks_for_exactly_the_pages_a_forward_reads_and_they_arrive(tmp_path):
+    import os
+
+    from helpers import wait_until
+
+    config = tiny_config(
+        embedding_dtype="int8", num_embeddings=[40_000, 30, 40], embedding_dim=64, dense_arch_layer_sizes=[16, 64]
+    )
+    path = build(tmp_path, config)
+    model = DLRMFactory(config).load(path)
+    qebc = model.sparse_arch.embedding_bag_collection
+    rows = dict(zip(config.sparse_features, config.num_embeddings))
+    prefetch = hot.Prefetch(qebc, rows, min_bytes=1 << 20)
+    assert list(prefetch.tables) == ["feature_0"]  # 40,000 rows x 80 bytes; the small tables stay cached
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    table = fused_tables(qebc)[f"{TABLES}feature_0.weight"]
+    ids = torch.tensor([5, 6, 20_000, 39_999, 12_345])
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    kjt = KeyedJaggedTensor(
+        keys=list(config.sparse_features),
+        values=torch.cat([ids, torch.tensor([1, 2])]),
+        lengths=torch.tensor([5, 1, 1]),
+    )
+    start = table.data_ptr()
+    lo = start - start % mmap.PAGESIZE
+    want = sorted(
+        {(start + int(i) * table.stride(0) + d) // mmap.PAGESIZE for i in ids for d in (0, table.shape[1] - 1)}
+    )
+    before = resident(lo, table.numel() + (start - lo))
+    assert sum(before) < len(before) // 2  # dropped
+    assert prefetch(kjt) == len(want)
+    first = lo // mmap.PAGESIZE
+    got = wait_until(
+        lambda: resident(lo, table.numel() + (start - lo)), lambda r: all(r[p - first] for p in want), timeout=30
+    )
+    assert all(got[p - first] for p in want)
