@@ -4,10 +4,11 @@ read a few dense pages instead of one scattered page per row (tables larger than
 A packed table of ``R`` rows with ``H`` hot rows is ``R + H`` kernel rows::
 
     rows 0 .. R-1        every row, where it always was (a cold lookup reads it here)
-    rows R .. R+H-1      the H hot rows' copies, hottest first: kernel row R + j is row hot[j]
+    rows R .. R+H-1      the H hot rows' copies in id order: kernel row R + j is row hot[j]
 
-A lookup of id ``i`` reads row ``R + j`` when ``i == hot[j]``, else row ``i`` (``HotIndex.redirect``,
-one ``searchsorted`` per table over the ids of a batch). The copies are the rows byte for byte, so a
+A lookup of id ``i`` reads row ``R + j`` when ``i == hot[j]``, else row ``i`` (``HotIndex.redirect``:
+a bit per row says whether it is hot, and j is the number of hot rows before it, a popcount: two
+reads of a few MiB per table instead of a search). The copies are the rows byte for byte, so a
 score is the same whichever copy a lookup reads, and a path that does not redirect (the dense
 half's warm-up, a probe) still scores right, only from colder pages. Live deltas write both
 copies (``HotIndex.expand``).
@@ -16,7 +17,7 @@ Which rows are hot comes from id counts (``read_counts``): a counts file per tab
 looked up), written by serving workers (``IdCounter``, handler.count_ids_dir), or by
 ``scripts/count_ids.py`` from a sample of training data. ``choose`` takes the most counted rows of
 all tables until a byte budget is spent. The weights file keeps each table's hot ids under
-``HOT + table`` (int64, hottest first); a file without them is an unpacked model.
+``HOT + table`` (int64, ascending); a file without them is an unpacked model.
 
 ``warm`` reads the hot rows' pages into the page cache before the worker reports ready, and locks
 them (``mlock``) where the process may: a read-only mapping (tables larger than memory) under a
@@ -36,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -43,7 +45,7 @@ from dlrmkit.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-HOT = "hot_rows."  # a table's hot ids in the weights file: HOT + table -> int64 [H], hottest first
+HOT = "hot_rows."  # a table's hot ids in the weights file: HOT + table -> int64 [H], ascending
 COUNTS_FORMAT = "dlrmkit-id-counts/1"
 Counts = dict[str, tuple[torch.Tensor, torch.Tensor]]  # table -> (ids int64 [N], times looked up int64 [N])
 Write = tuple[str, torch.Tensor, torch.Tensor]  # (table, ids, rows): dlrmkit.live's row writes
@@ -129,7 +131,7 @@ def read_counts(paths: Sequence[str | Path]) -> Counts:
 
 
 def choose(counts: Counts, rows: Mapping[str, int], row_bytes: int, budget_bytes: int) -> dict[str, torch.Tensor]:
-    """Table -> its hot ids, hottest first: the most counted rows of all tables together (every
+    """Table -> its hot ids (ascending): the most counted rows of all tables together (every
     table's rows cost ``row_bytes``) until ``budget_bytes`` is spent. Ids outside a table, tables
     the model does not have, and rows counted once are left out (a row seen once in a sample is
     no evidence of heat). Ties go to the lower id."""
@@ -156,7 +158,7 @@ def choose(counts: Counts, rows: Mapping[str, int], row_bytes: int, budget_bytes
     for k, t in enumerate(names):
         mine = order[table_of[order] == k]
         if len(mine):
-            out[t] = ids[mine].contiguous()
+            out[t] = torch.sort(ids[mine]).values
     return out
 
 
@@ -167,35 +169,45 @@ class HotIndex:
     """Where each table's hot rows' copies lie: redirects looked-up ids to them, and makes a row
     write (a live delta) write both copies.
 
-    >>> index = HotIndex({"t": 10}, {"t": torch.tensor([7, 2])})
+    >>> index = HotIndex({"t": 10}, {"t": torch.tensor([2, 7])})
     >>> index.kernel_row("t", torch.tensor([2, 3, 7]))
-    tensor([11,  3, 10])
+    tensor([10,  3, 11])
     """
 
     def __init__(self, rows: Mapping[str, int], hot: Mapping[str, torch.Tensor]):
         self.rows = dict(rows)
         self.hot = {t: h.to(torch.int64) for t, h in hot.items() if len(h)}
-        self._sorted: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # per table: a bit per row (hot or not) in 64-bit words, and the hot rows before each word
+        self._rank: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         for t, h in self.hot.items():
             if t not in self.rows:
                 raise ConfigError(f"the weights' hot rows name table {t!r}, which the model config does not have")
-            ids, slot = torch.sort(h)
-            if len(ids) > 1 and bool((ids[1:] == ids[:-1]).any()):
-                raise ConfigError(f"table {t!r}: the weights' hot rows repeat an id")
+            ids = h.numpy()
+            if len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all()):
+                raise ConfigError(f"table {t!r}: the weights' hot rows are not in ascending id order without repeats")
             if int(ids[0]) < 0 or int(ids[-1]) >= self.rows[t]:
                 raise ConfigError(f"table {t!r}: a hot row id is outside the table's {self.rows[t]} rows")
-            self._sorted[t] = (ids, slot + self.rows[t])
+            words = np.zeros((self.rows[t] + 63) // 64, dtype=np.uint64)
+            np.bitwise_or.at(words, ids >> 6, np.left_shift(np.uint64(1), (ids & 63).astype(np.uint64)))
+            before = np.zeros(len(words), dtype=np.int64)
+            np.cumsum(np.bitwise_count(words)[:-1], out=before[1:])
+            self._rank[t] = (words, before)
 
     def __len__(self) -> int:
         return sum(len(h) for h in self.hot.values())
 
     def kernel_row(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """The kernel row each id of ``table`` reads: its hot copy where it has one, else itself."""
-        if table not in self._sorted or not len(ids):
+        if table not in self._rank or not len(ids):
             return ids
-        hot, where = self._sorted[table]
-        pos = torch.searchsorted(hot, ids).clamp_(max=len(hot) - 1)
-        return torch.where(hot[pos] == ids, where[pos], ids)
+        words, before = self._rank[table]
+        i = ids.numpy()
+        word = i >> 6
+        bits = words[word]
+        shift = (i & 63).astype(np.uint64)
+        hit = ((bits >> shift) & np.uint64(1)).astype(bool)
+        slot = before[word] + np.bitwise_count(bits & ((np.uint64(1) << shift) - np.uint64(1)))
+        return torch.from_numpy(np.where(hit, self.rows[table] + slot, i))
 
     def redirect(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """The batch with every hot id pointing at its copy (keys are tables: one per feature)."""
@@ -203,7 +215,7 @@ class HotIndex:
         out = values
         at = 0
         for key, n in zip(kjt.keys(), kjt.length_per_key()):
-            if key in self._sorted and n:
+            if key in self._rank and n:
                 if out is values:
                     out = values.clone()
                 out[at : at + n] = self.kernel_row(key, values[at : at + n])

@@ -383,8 +383,8 @@ def write_weights(
 ) -> dict:
     """Write the weights file ``DLRMFactory(config).load`` reads, table by table from
     ``source`` (``RandomSource`` or ``CheckpointSource``), in ``config.build.embedding_dtype``,
-    never holding more than ``chunk_bytes`` of fp32 rows. ``hot``: table -> its hot ids, hottest
-    first (``dlrmkit.hot.choose``): their rows' copies go after the table's rows, gathered as
+    never holding more than ``chunk_bytes`` of fp32 rows. ``hot``: table -> its hot ids, in id
+    order (``dlrmkit.hot.choose``): their rows' copies go after the table's rows, gathered as
     the chunks pass (held whole: the hot region's bytes). Returns what it measured."""
     path = Path(path)
     hot = {t: h.to(torch.int64) for t, h in (hot or {}).items() if len(h)}

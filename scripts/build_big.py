@@ -98,7 +98,7 @@ def model_directory(out: Path, config_file: Path, model_name: str, version: str,
 
 
 def hot_rows(args, config) -> dict:
-    """Table -> hot ids (hottest first) from ``--hot-counts`` within ``--hot-mib``; {} without counts."""
+    """Table -> hot ids (ascending) from ``--hot-counts`` within ``--hot-mib``; {} without counts."""
     import torch
 
     from dlrmkit import hot, stream
