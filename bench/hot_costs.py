@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("model_dir", help="a packed model directory (scripts/build_big.py --hot-counts)")
     ap.add_argument("--zipf", type=float, default=1.05, help="0: uniform ids (default: %(default)s)")
     ap.add_argument("--queries", type=int, default=20, help="queries per size (default: %(default)s)")
+    ap.add_argument(
+        "--counts", nargs="*", default=[], help="a counts file: the counter's total at a flush, merged once (timed)"
+    )
     ap.add_argument("--out", help="folder to write (default: results/<date>-hot-costs/)")
     args = ap.parse_args(argv)
     started = time.perf_counter()
@@ -100,6 +103,13 @@ def main(argv: list[str] | None = None) -> None:
                 ]
             )
         counter.close()
+        recent = hot.read_counts([counter.path])
+    if args.counts:
+        total = hot.read_counts(args.counts)
+        t = time.perf_counter()
+        hot.merge([total, recent])
+        report["flush_merge_s"] = round(time.perf_counter() - t, 2)
+        report["flush_total_ids"] = sum(len(i) for i, _ in total.values())
     report["wall_s"] = round(time.perf_counter() - started, 1)
     out = run_dir(__file__, "hot-costs", "What hot rows cost a worker per forward", args.out, argv)
     lines = [
@@ -113,6 +123,12 @@ def main(argv: list[str] | None = None) -> None:
             right=True,
         ),
     ]
+    if "flush_merge_s" in report:
+        lines += [
+            "",
+            f"The counter's flush (every 60 s): the recent counts merged into a total of "
+            f"{report['flush_total_ids']:,} distinct ids in {report['flush_merge_s']} s on its own thread.",
+        ]
     write_report(out / "hot-costs", report, lines)
 
 

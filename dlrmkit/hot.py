@@ -339,9 +339,11 @@ class Prefetch:
 
 
 class IdCounter:
-    """Counts the ids a worker looks up, one forward in ``every``, into ``directory``/counts-<pid>.pt
+    """Counts the ids a worker looks up, one forward in ``every``, into ``directory``/counts-<worker>.pt
     (a counts file ``read_counts`` reads) every ``flush_s`` seconds. The serving thread only keeps
-    a reference to the sampled batch's ids; a daemon thread counts and writes them."""
+    a reference to the sampled forward's ids; a daemon thread counts them (every 64 samples, into
+    the recent counts) and merges those into the total it writes (every ``flush_s``): the merge over
+    every id counted so far runs once a flush, not once a sample."""
 
     def __init__(self, directory: str | Path, every: int, flush_s: float = 60.0, worker: str | None = None):
         self.dir = Path(directory)
@@ -351,6 +353,7 @@ class IdCounter:
         self.seen = 0
         self.sampled = 0
         self._pending: list[Mapping[str, torch.Tensor]] = []
+        self._recent: Counts = {}
         self._total: Counts = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -369,12 +372,17 @@ class IdCounter:
             if len(self._pending) >= 64:
                 self._wake.set()
 
-    def flush(self) -> Path:
-        """Count what is pending and write the file now."""
+    def _count_pending(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
         if pending:
-            self._total = merge([self._total, *(count(p) for p in pending)])
+            self._recent = merge([self._recent, *(count(p) for p in pending)])
+
+    def flush(self) -> Path:
+        """Count what is pending, merge it into the total and write the file, now."""
+        self._count_pending()
+        if self._recent:
+            self._total, self._recent = merge([self._total, self._recent]), {}
         write_counts(self.path, self._total, source=f"serving worker {os.getpid()}, one forward in {self.every}")
         return self.path
 
@@ -383,15 +391,10 @@ class IdCounter:
         while not self._stop.is_set():
             self._wake.wait(timeout=max(0.05, self.flush_s - (time.monotonic() - last)))
             self._wake.clear()
-            with self._lock:
-                pending, self._pending = self._pending, []
-            if pending:
-                self._total = merge([self._total, *(count(p) for p in pending)])
+            self._count_pending()
             if time.monotonic() - last >= self.flush_s:
                 try:
-                    write_counts(
-                        self.path, self._total, source=f"serving worker {os.getpid()}, one forward in {self.every}"
-                    )
+                    self.flush()
                 except OSError as e:
                     logger.warning("handler.count_ids_dir: cannot write %s: %s", self.path, e)
                 last = time.monotonic()

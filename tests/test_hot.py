@@ -267,3 +267,60 @@ def test_prefetch_asks_for_exactly_the_pages_a_forward_reads_and_they_arrive(tmp
         lambda: resident(lo, table.numel() + (start - lo)), lambda r: all(r[p - first] for p in want), timeout=30
     )
     assert all(got[p - first] for p in want)
+
+
+def test_live_deltas_write_the_hot_copies_too_in_the_worker_and_in_the_writer_process(tmp_path):
+    """A packed model under live updates scores as the unpacked model under the same deltas: the
+    catch-up at start writes in the worker; later deltas, in the writer process, which learns the
+    hot rows from a file beside the shared sides."""
+    from dlrmkit.live import DeltaApplier, base_version, target_for, write_delta
+    from helpers import wait_until
+
+    config = tiny_config(embedding_dtype="int8", num_embeddings=ROWS)
+    rows = dict(zip(config.sparse_features, config.num_embeddings))
+    # rows 0-9 of every table are the hot ones (and some others): the deltas below write them
+    counts = {t: (torch.arange(0, n, 3), torch.full((len(range(0, n, 3)),), 5)) for t, n in rows.items()}
+    counts = hot.merge([counts, {t: (torch.arange(10), torch.full((10,), 100)) for t in rows}])
+    chosen = hot.choose(counts, rows, stream.row_bytes(config), 1 << 20)
+    appliers = {}
+    for name, pack in (("plain", None), ("packed", chosen)):
+        where = tmp_path / name
+        where.mkdir()
+        path = build(where, config, pack)
+        factory = DLRMFactory(config)
+        model = factory.load(path)
+        target = target_for(config, factory, "dlrm", base_version(path))
+        appliers[name] = DeltaApplier(model, config, factory, where / "deltas", target, state_dir=where)
+    gen = torch.Generator().manual_seed(4)
+
+    def delta(seq):
+        tables = {t: (torch.tensor([0, 3, 7, n - 1]), torch.rand(4, 8, generator=gen) * 2 - 1) for t, n in rows.items()}
+        for app in appliers.values():
+            write_delta(app.directory, "dlrm", app.target.base, seq, tables)
+
+    dense, kjt = skewed_batch(config, n=64, seed=3)
+    index = appliers["packed"].model.hot_index
+    assert index is not None and appliers["packed"].hot is index
+
+    def scores():
+        return logits(appliers["plain"].model, dense, kjt), logits(appliers["packed"].model, dense, index.redirect(kjt))
+
+    before = scores()
+    delta(1)
+    for app in appliers.values():
+        assert app.catch_up() == 1
+    plain, packed = scores()
+    assert not torch.equal(plain, before[0]) and torch.equal(packed, plain)
+    for app in appliers.values():
+        app.poll_s = 0.02
+        app.start()
+    try:
+        delta(2)
+        for app in appliers.values():
+            wait_until(lambda app=app: app.applied, lambda s: s == 2)
+            assert app.catch_up() in (0, 1)  # flipped to the side the writer process wrote
+        plain, packed = scores()
+        assert appliers["packed"].rows_applied > 0 and torch.equal(packed, plain)
+    finally:
+        for app in appliers.values():
+            app.stop()
