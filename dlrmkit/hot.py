@@ -132,9 +132,9 @@ def read_counts(paths: Sequence[str | Path]) -> Counts:
 
 def choose(counts: Counts, rows: Mapping[str, int], row_bytes: int, budget_bytes: int) -> dict[str, torch.Tensor]:
     """Table -> its hot ids (ascending): the most counted rows of all tables together (every
-    table's rows cost ``row_bytes``) until ``budget_bytes`` is spent. Ids outside a table, tables
-    the model does not have, and rows counted once are left out (a row seen once in a sample is
-    no evidence of heat). Ties go to the lower id."""
+    table's rows cost ``row_bytes``) until ``budget_bytes`` is spent; ids outside their table are
+    left out, a table the model does not have is refused. Ties go to the earlier table, then the
+    lower id."""
     unknown = sorted(set(counts) - set(rows))
     if unknown:
         raise ConfigError(

@@ -38,17 +38,42 @@ lazily, so it starts in about --base-seconds.
 A config whose tables are capped copies of a bigger model's may list the uncapped row counts
 in a comment, ``# full: [rows, ...]`` (one per sparse feature; model-config.dlrmv2.yaml does):
 the report then sizes those too ("uncapped"; ``full`` in --json).
+
+Hot rows (a packed model: scripts/build_big.py --hot-counts, dlrmkit/hot.py). The K rows that
+take --hit-rate of a table's lookups are copied together after its rows, so they take K x row
+bytes, rounded up to 4 KiB pages ('packed'), instead of about a page per hot row while they lie
+scattered over the file ('working set'); 'workers, packed' is then floor((budget - packed) /
+(dense + worker)) when the tables do not fit. --hot prints it table by table.
+
+    python scripts/sizing.py --config model-config.dlrmv2.yaml --memory 24GiB --hot --dtype int8
+    python scripts/sizing.py --config my.yaml --counts counts/ --hot-mib 512 2048
+
+--counts PATH... (id counts files, or directories of them, from handler.count_ids_dir or
+scripts/count_ids.py) measures instead of assuming: each table's exponent is fitted to its counts
+(least squares of log count on log rank, over the ranks 1..r counted at least --fit-min-count
+times, where a sample is dense enough to rank ids; the ranks thinned to log-spaced points so
+that every decade weighs the same), printed beside the assumed one, and used for every paged
+and packed figure (the assumed --zipf where a table has too few counted rows to fit). It also
+prints what a hot set of each --hot-mib buys: the share of the counted lookups its rows take,
+the rows chosen across tables as build_big --hot-counts chooses them (dlrmkit.hot.choose: the
+most counted first), and the share the fitted laws predict for the same bytes (the
+rows of all tables taken by their expected share of lookups, the tables weighted by their share
+of the counted lookups), which also covers rows the sample never saw.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import re
 import sys
 from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -100,6 +125,7 @@ def zipf_mass(k: float, s: float, exact: int = 2000) -> float:
     return total
 
 
+@functools.lru_cache(maxsize=4096)
 def hot_rows(rows: int, s: float, hit_rate: float) -> int:
     """The fewest of a table's rows (the most looked-up first) that take ``hit_rate`` of its
     lookups when the row of rank i is looked up in proportion to i^-s."""
@@ -128,6 +154,148 @@ def working_set(rows: int, row_bytes: int, s: float, hit_rate: float, page: int 
     return min(table, int(math.ceil(touched)) * page)
 
 
+def packed_bytes(rows: int, row_bytes: int, s: float, hit_rate: float, page: int = PAGE) -> int:
+    """Resident bytes a packed table needs to serve ``hit_rate`` of its lookups from memory: its
+    ``hot_rows``' copies, side by side after its rows, rounded up to whole pages (the copies start
+    wherever the table's rows end, so they may straddle one page more)."""
+    return math.ceil(hot_rows(rows, s, hit_rate) * row_bytes / page) * page
+
+
+FIT_MIN_COUNT = 16  # a rank is fitted when its id was counted this often (Poisson noise ~25%)
+FIT_MIN_RANKS = 10  # fewer ranks than this: no fit, the assumed exponent stands
+
+
+def fit_zipf(counts: np.ndarray, min_count: int = FIT_MIN_COUNT, min_ranks: int = FIT_MIN_RANKS) -> dict:
+    """The exponent s of count ~ rank^-s for one table's id counts (any order): least squares of
+    log count on log rank over ranks 1..r, r the last rank counted at least ``min_count`` times
+    (beyond it a sample is too thin to rank its ids: ties and noise flatten the curve), the
+    ranks thinned to about 100 log-spaced points so each decade weighs the same. ``s`` is None
+    when fewer than ``min_ranks`` ranks qualify. Also returns the ranks fitted, the ids and
+    lookups counted."""
+    c = np.sort(np.asarray(counts, dtype=np.int64)[np.asarray(counts) > 0])[::-1]
+    dense = int(np.count_nonzero(c >= min_count))
+    out: dict = {"s": None, "ranks": [1, dense] if dense else None, "ids": len(c), "lookups": int(c.sum())}
+    if dense < min_ranks:
+        return out
+    ranks = np.unique(np.geomspace(1, dense, num=100).round().astype(np.int64))
+    slope, _ = np.polyfit(np.log(ranks), np.log(c[ranks - 1].astype(np.float64)), 1)
+    if -slope > 0:
+        out["s"] = round(float(-slope), 4)
+    return out
+
+
+def zipf_budget_hit_rate(tables: Sequence[tuple[int, float, float]], budget_rows: int) -> tuple[list[int], float]:
+    """The rows of each table (rows R, exponent s, share of all lookups w) a hot set of
+    ``budget_rows`` rows holds when it takes the rows of all tables with the largest expected
+    share of lookups (w i^-s / sum_{j<=R} j^-s for rank i), and the share of all lookups they take."""
+    live = [(r, s, w) for r, s, w in tables if w > 0 and r > 0]
+    total_w = sum(w for _, _, w in live)
+    if not live or budget_rows <= 0:
+        return [0] * len(tables), 0.0
+    mass = [zipf_mass(r, s) for r, s, _ in live]
+
+    def take(log_lam: float) -> list[int]:
+        # rank i is taken while w i^-s / Z >= lam: i <= (w / (Z lam))^(1/s)
+        return [
+            min(r, int(math.floor(math.exp((math.log(w / z) - log_lam) / s) + 1e-9)))
+            for (r, s, w), z in zip(live, mass)
+        ]
+
+    if sum(r for r, _, _ in live) <= budget_rows:
+        ks = [r for r, _, _ in live]
+    else:
+        probs = [math.log(w / z) - s * math.log(r) for (r, s, w), z in zip(live, mass)]
+        lo, hi = min(probs) - 1, max(math.log(w / z) for (_, _, w), z in zip(live, mass)) + 1
+        for _ in range(200):  # lo: takes too many rows, hi: fits
+            mid = (lo + hi) / 2
+            if sum(take(mid)) > budget_rows:
+                lo = mid
+            else:
+                hi = mid
+        ks = take(hi)
+    hit = sum(w * zipf_mass(k, s) / z for k, (_, s, w), z in zip(ks, live, mass)) / total_w
+    it = iter(ks)
+    return [next(it) if w > 0 and r > 0 else 0 for r, _, w in tables], min(1.0, hit)
+
+
+def counts_hit_rate(counts, rows: Mapping[str, int], row_bytes: int, budget_bytes: int) -> tuple[int, float]:
+    """The rows ``dlrmkit.hot.choose`` packs within ``budget_bytes`` and the share of the counted
+    lookups (every table's, rows counted once included) they take."""
+    import torch
+
+    from dlrmkit import hot
+
+    chosen = hot.choose(counts, rows, row_bytes, budget_bytes)
+    total = sum(int(c.sum()) for _, c in counts.values())
+    covered = sum(int(counts[t][1][torch.isin(counts[t][0], h)].sum()) for t, h in chosen.items())
+    return sum(len(h) for h in chosen.values()), covered / max(total, 1)
+
+
+def fits(counts, names: Sequence[str], rows: Sequence[int], min_count: int = FIT_MIN_COUNT) -> dict[str, dict]:
+    """Table -> ``fit_zipf`` of its counted ids inside the table (tables without counts: none)."""
+    out = {}
+    for name, r in zip(names, rows):
+        if name in counts:
+            ids, c = (x.numpy() for x in counts[name])
+            out[name] = fit_zipf(c[(ids >= 0) & (ids < r)], min_count)
+    return out
+
+
+def hot_report(
+    config, dtype: str, hit_rate: float, zipf: float, table_fits: dict | None, counts, hot_mib: Sequence[int]
+) -> dict:
+    """The hot rows of ``config``'s tables in ``dtype``: per table the exponent (fitted where
+    ``table_fits`` has one, else ``zipf``), the rows that take ``hit_rate`` of its lookups and
+    their bytes packed and scattered; per ``hot_mib`` budget, the share of lookups it takes by
+    the Zipf laws and (with ``counts``) by the counts."""
+    row = _row(config.embedding_dim, dtype)
+    names, rows = list(config.sparse_features), list(config.num_embeddings)
+    table_fits = table_fits or {}
+    tables = []
+    for name, r in zip(names, rows):
+        fit = table_fits.get(name)
+        s = fit["s"] if fit and fit["s"] else zipf
+        tables.append(
+            {
+                "name": name,
+                "rows": r,
+                "s_assumed": zipf,
+                "s_counts": fit["s"] if fit else None,
+                "fit_ranks": fit["ranks"] if fit else None,
+                "counted_lookups": fit["lookups"] if fit else 0,
+                "s": s,
+                "hot_rows": hot_rows(r, s, hit_rate),
+                "packed_bytes": packed_bytes(r, row, s, hit_rate),
+                "scattered_bytes": working_set(r, row, s, hit_rate),
+            }
+        )
+    if counts is not None:
+        weights = [t["counted_lookups"] for t in tables]
+    else:
+        weights = [1.0] * len(tables)  # tables looked up alike (one id per table per row: Criteo)
+    budgets = []
+    for mib in hot_mib:
+        cap = (mib << 20) // row
+        _, zipf_hit = zipf_budget_hit_rate([(t["rows"], t["s"], w) for t, w in zip(tables, weights)], cap)
+        entry = {"mib": mib, "rows": min(cap, sum(rows)), "hit_rate_zipf": round(zipf_hit, 4)}
+        if counts is not None:
+            chosen, counted = counts_hit_rate(counts, dict(zip(names, rows)), row, mib << 20)
+            entry.update(rows_counted=chosen, hit_rate_counts=round(counted, 4))
+        budgets.append(entry)
+    return {
+        "dtype": dtype,
+        "row_bytes": row,
+        "hit_rate": hit_rate,
+        "zipf_assumed": zipf,
+        "fitted": counts is not None,
+        "tables": tables,
+        "hot_rows": sum(t["hot_rows"] for t in tables),
+        "packed_bytes": sum(t["packed_bytes"] for t in tables),
+        "scattered_bytes": sum(t["scattered_bytes"] for t in tables),
+        "budgets": budgets,
+    }
+
+
 def report(
     config,
     budget: int,
@@ -137,13 +305,24 @@ def report(
     cpus: int | None = None,
     hit_rate: float = 0.9,
     zipf: float = 1.05,
+    counts=None,
+    hot_mib: Sequence[int] = (),
+    hot_dtype: str | None = None,
+    fit_min_count: int = FIT_MIN_COUNT,
 ) -> dict:
+    """``counts`` (``dlrmkit.hot.read_counts``): each table's exponent fitted to them where they
+    allow, ``zipf`` elsewhere; ``hot``: the hot rows in ``hot_dtype`` (default: the config's)
+    per table and what each of ``hot_mib`` MiB of hot rows buys."""
     from dlrmkit.config import EMBEDDING_DTYPES
     from dlrmkit.scale import table_bytes
 
     c = config
     dense = 4 * _dense_params(c)
-    out = {
+    table_fits = fits(counts, c.sparse_features, c.num_embeddings, fit_min_count) if counts is not None else None
+    exponent = {
+        t: (table_fits[t]["s"] if table_fits and table_fits.get(t, {}).get("s") else zipf) for t in c.sparse_features
+    }
+    out: dict = {
         "budget_bytes": budget,
         "worker_overhead_bytes": worker,
         "dense_bytes": dense,
@@ -159,8 +338,9 @@ def report(
     for d in EMBEDDING_DTYPES:
         tables = sum(t[d] for t in out["tables"])
         per_worker = dense + worker
-        row = table_bytes(1, c.embedding_dim, d) if d == "fp32" else _row(c.embedding_dim, d)
-        ws = sum(working_set(t["rows"], row, zipf, hit_rate) for t in out["tables"])
+        row = _row(c.embedding_dim, d)
+        ws = sum(working_set(t["rows"], row, exponent[t["name"]], hit_rate) for t in out["tables"])
+        packed = sum(packed_bytes(t["rows"], row, exponent[t["name"]], hit_rate) for t in out["tables"])
         shared = max(0, (budget - tables) // per_worker) if budget > tables else 0
         startup = 1.5 * (base_s + tables / (disk_mbps * 1e6))
         out["dtypes"][d] = {
@@ -171,8 +351,17 @@ def report(
             # tables that do not fit beside one worker: the page cache holds the working set
             "working_set_bytes": ws,
             "workers_paged": shared if shared >= 1 else max(0, (budget - ws) // per_worker) if budget > ws else 0,
+            # the same hit rate from a packed model: the hot rows' copies (build_big --hot-counts)
+            "packed_bytes": packed,
+            "workers_packed": shared
+            if shared >= 1
+            else max(0, (budget - packed) // per_worker)
+            if budget > packed
+            else 0,
             "startup_timeout_s": max(60, int(math.ceil(startup / 10) * 10)),
         }
+    out["hot"] = hot_report(c, hot_dtype or c.build.embedding_dtype, hit_rate, zipf, table_fits, counts, hot_mib)
+    out["hot"]["fit_min_count"] = fit_min_count if counts is not None else None
     if cpus:
         from dlrmkit.cpus import cpu_rule
 
@@ -236,10 +425,64 @@ def _print_budget(rep: dict, dtypes: list[str]) -> None:
         ("workers_shared", "workers, mmap"),
         ("working_set_bytes", "working set"),
         ("workers_paged", "workers, paged"),
+        ("packed_bytes", "hot rows, packed"),
+        ("workers_packed", "workers, packed"),
         ("startup_timeout_s", "startupTimeout"),
     ):
-        cell = (lambda v: human(v)) if key == "working_set_bytes" else (lambda v: v)
+        cell = (lambda v: human(v)) if key.endswith("_bytes") else (lambda v: v)
         print(f"{label:<30}" + "".join(f"{cell(rep['dtypes'][d][key]):>13}" for d in dtypes))
+
+
+def _print_hot(hot: dict, counts_from: str | None) -> None:
+    """The hot rows table by table, and what each --hot-mib buys."""
+    fitted = hot["fitted"]
+    law = (
+        f"s fitted to the counts of {counts_from} (ranks counted >= {hot['fit_min_count']} times), "
+        f"s={hot['zipf_assumed']:g} where too few"
+        if fitted
+        else f"ids Zipf s={hot['zipf_assumed']:g} assumed"
+    )
+    print(
+        f"\nhot rows for a {hot['hit_rate']:g} hit rate, {hot['dtype']} rows of {hot['row_bytes']} B ({law}): the rows that "
+        "take that share of each table's lookups, packed (copies side by side) vs scattered (a page per row)"
+    )
+    head = f"{'table':<16}{'rows':>14}"
+    if fitted:
+        head += f"{'s assumed':>10}{'s counts':>10}{'fit ranks':>14}"
+    else:
+        head += f"{'s':>10}"
+    print(head + f"{'hot rows':>14}{'packed':>13}{'scattered':>13}")
+    for t in hot["tables"]:
+        line = f"{t['name']:<16}{t['rows']:>14,}"
+        if fitted:
+            ranks = f"1-{t['fit_ranks'][1]:,}" if t["s_counts"] else "too few" if t["counted_lookups"] else "no counts"
+            s_counts = f"{t['s_counts']:.3f}" if t["s_counts"] else "-"
+            line += f"{t['s_assumed']:>10g}{s_counts:>10}{ranks:>14}"
+        else:
+            line += f"{t['s']:>10g}"
+        print(line + f"{t['hot_rows']:>14,}{human(t['packed_bytes']):>13}{human(t['scattered_bytes']):>13}")
+    print(
+        f"{'total':<16}{sum(t['rows'] for t in hot['tables']):>14,}"
+        + " " * (34 if fitted else 10)
+        + f"{hot['hot_rows']:>14,}{human(hot['packed_bytes']):>13}{human(hot['scattered_bytes']):>13}"
+    )
+    if not hot["budgets"]:
+        return
+    print(
+        f"\nhot set of --hot-mib MiB ({hot['dtype']}): the share of lookups its rows take"
+        + (
+            ", by the counts (rows chosen as build_big --hot-counts chooses them, the most counted "
+            "first) and by the fitted laws (tables weighted by their counted lookups)"
+            if fitted
+            else " by the assumed law (every table looked up alike)"
+        )
+    )
+    print(f"{'hot MiB':>10}{'rows':>14}" + (f"{'rows counted':>14}{'counts':>10}" if fitted else "") + f"{'Zipf':>10}")
+    for b in hot["budgets"]:
+        line = f"{b['mib']:>10,}{b['rows']:>14,}"
+        if fitted:
+            line += f"{b['rows_counted']:>14,}{b['hit_rate_counts']:>10.1%}"
+        print(line + f"{b['hit_rate_zipf']:>10.1%}")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -295,6 +538,38 @@ def main(argv: list[str] | None = None) -> dict:
         help="power-law exponent s of the ids' frequencies (row of rank i looked up in proportion to "
         "i^-s) for the 'paged' rule (default: %(default)s; docs/scale.md says why)",
     )
+    ap.add_argument(
+        "--counts",
+        nargs="+",
+        metavar="PATH",
+        help="id counts files (or directories of them) from handler.count_ids_dir or scripts/count_ids.py: "
+        "each table's exponent fitted to them instead of --zipf, and what each --hot-mib buys by the counts",
+    )
+    ap.add_argument(
+        "--hot-mib",
+        type=int,
+        nargs="+",
+        metavar="MIB",
+        help="hot set sizes (build_big.py --hot-mib) to say the hit rate of (default with --counts: "
+        + " ".join(map(str, HOT_MIB))
+        + ")",
+    )
+    ap.add_argument(
+        "--hot",
+        action="store_true",
+        help="print the hot rows table by table (implied by --counts and --hot-mib)",
+    )
+    ap.add_argument(
+        "--dtype",
+        choices=["fp32", "fp16", "int8", "int4"],
+        help="the embedding_dtype of the hot rows' section (default: the config's)",
+    )
+    ap.add_argument(
+        "--fit-min-count",
+        type=int,
+        default=FIT_MIN_COUNT,
+        help="with --counts: fit the ranks whose id was counted at least this often (default: %(default)s)",
+    )
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
 
@@ -315,6 +590,32 @@ def main(argv: list[str] | None = None) -> dict:
         args.cpus = available_cpus()
     if not 0 < args.hit_rate <= 1 or args.zipf <= 0:
         ap.error("--hit-rate must be in (0, 1] and --zipf > 0")
+    if args.hot_mib and min(args.hot_mib) <= 0:
+        ap.error(f"--hot-mib: expected positive MiB, got {min(args.hot_mib)} (e.g. --hot-mib 512 2048)")
+    if args.fit_min_count < 2:
+        ap.error(f"--fit-min-count: expected at least 2, got {args.fit_min_count} (e.g. --fit-min-count 16)")
+    counts = None
+    if args.counts:
+        from dlrmkit.hot import read_counts
+
+        try:
+            counts = read_counts(args.counts)
+        except ConfigError as e:
+            sys.exit(f"error: {str(e).replace('--hot-counts', '--counts')}")
+        unknown = sorted(set(counts) - set(config.sparse_features))
+        if unknown:
+            sys.exit(
+                f"error: --counts: table {unknown[0]!r} is not in {args.config} "
+                f"(its tables: {', '.join(config.sparse_features[:5])}...)"
+            )
+    hot_mib = args.hot_mib or (HOT_MIB if counts is not None else ())
+    common = dict(
+        hit_rate=args.hit_rate,
+        zipf=args.zipf,
+        counts=counts,
+        hot_dtype=args.dtype,
+        fit_min_count=args.fit_min_count,
+    )
     rep = report(
         config,
         args.memory,
@@ -322,19 +623,20 @@ def main(argv: list[str] | None = None) -> dict:
         args.base_seconds,
         args.disk_mbps,
         args.cpus,
-        args.hit_rate,
-        args.zipf,
+        hot_mib=_ladder(hot_mib, config, args.dtype, args.hot_mib is not None),
+        **common,
     )
     full = full_rows(args.config, config)
     if full:
+        full_config = dataclasses.replace(config, num_embeddings=full)
         rep["full"] = report(
-            dataclasses.replace(config, num_embeddings=full),
+            full_config,
             args.memory,
             args.worker_overhead,
             args.base_seconds,
             args.disk_mbps,
-            hit_rate=args.hit_rate,
-            zipf=args.zipf,
+            hot_mib=_ladder(hot_mib, full_config, args.dtype, args.hot_mib is not None),
+            **common,
         )
     if args.json:
         print(json.dumps(rep, indent=2))
@@ -359,6 +661,10 @@ def main(argv: list[str] | None = None) -> dict:
         f"need {human(c['memory_bytes'])} with {config.build.embedding_dtype} tables"
         + ("" if c["workers"] == c["rule_workers"] else f"; the budget holds only {c['workers']}: set maxWorkers")
     )
+    show_hot = args.hot or counts is not None or args.hot_mib is not None
+    counts_from = " ".join(args.counts) if args.counts else None
+    if show_hot:
+        _print_hot(rep["hot"], counts_from)
     if full:
         capped = sum(f != r for f, r in zip(full, config.num_embeddings))
         print(
@@ -370,13 +676,38 @@ def main(argv: list[str] | None = None) -> dict:
             + "".join(f"{human(rep['full']['dtypes'][d]['table_bytes']):>13}" for d in dtypes)
         )
         _print_budget(rep["full"], dtypes)
+        if show_hot:
+            _print_hot(rep["full"]["hot"], counts_from)
+    law = (
+        f"s fitted per table to the counts, s={args.zipf:g} where too few"
+        if counts is not None
+        else f"ids Zipf s={args.zipf:g}"
+    )
     print(
         "\n'copies': each worker holds the tables (GPU, or the seed's floor(memory / model) rule); "
         "'mmap': CPU workers share one page-cache copy of the archive's tables; "
         f"'paged': tables larger than memory, the page cache holding the working set that serves "
-        f"{args.hit_rate:g} of the lookups (ids Zipf s={args.zipf:g}, hot rows scattered over 4 KiB pages)."
+        f"{args.hit_rate:g} of the lookups ({law}, hot rows scattered over 4 KiB pages); "
+        "'packed': the same hit rate from a packed model (build_big.py --hot-counts), the hot rows' "
+        "copies side by side" + ("" if show_hot else " (--hot: table by table)") + "."
     )
     return rep
+
+
+HOT_MIB = (64, 256, 1024, 2048, 4096)  # --hot-mib's default ladder with --counts
+
+
+def _ladder(mib: Sequence[int], config, dtype: str | None, given: bool) -> list[int]:
+    """``mib`` as asked; the default ladder stops at the first size that holds every row."""
+    if given:
+        return list(mib)
+    whole = sum(config.num_embeddings) * _row(config.embedding_dim, dtype or config.build.embedding_dtype)
+    out = []
+    for m in mib:
+        out.append(m)
+        if m << 20 >= whole:
+            break
+    return out
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import TINY, tiny_config
+from conftest import ROOT, TINY, tiny_config
 from dlrmkit import hot, stream
 from dlrmkit.errors import ConfigError
 from dlrmkit.model import DLRMFactory
@@ -324,3 +324,176 @@ def test_live_deltas_write_the_hot_copies_too_in_the_worker_and_in_the_writer_pr
     finally:
         for app in appliers.values():
             app.stop()
+
+
+# --- sizing a packed model (scripts/sizing.py --counts) and counting a sample (scripts/count_ids.py) -------
+
+
+def zipf_counts(rows: int, s: float, draws: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counts of ``draws`` lookups of a table whose row of rank i is looked up in proportion to
+    i^-s, the ranks scattered over the ids (hashed ids)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    p = np.arange(1, rows + 1, dtype=np.float64) ** -s
+    ids = rng.permutation(rows)[rng.choice(rows, size=draws, p=p / p.sum())]
+    unique, n = np.unique(ids, return_counts=True)
+    return torch.from_numpy(unique), torch.from_numpy(n)
+
+
+def test_the_exponent_fitted_to_counts_of_a_known_zipf_law():
+    from scripts.sizing import fit_zipf
+
+    for s in (0.8, 1.05, 1.3):
+        _, n = zipf_counts(1_000_000, s, 2_000_000, seed=int(s * 100))
+        fit = fit_zipf(n.numpy())
+        assert abs(fit["s"] - s) < 0.1, (s, fit)
+        assert fit["ranks"][0] == 1 and 100 < fit["ranks"][1] < 100_000 and fit["lookups"] == 2_000_000
+    assert fit_zipf(torch.tensor([40, 30, 3, 1]).numpy())["s"] is None  # too few dense ranks
+
+
+def test_sizing_with_counts_fits_each_table_and_says_what_a_hot_set_buys(tmp_path):
+    """--counts: the fitted exponent beside the assumed one, the hot rows packed in fewer bytes than
+    scattered, and each --hot-mib's share of the counted lookups as build_big would choose them."""
+    from scripts import sizing
+
+    big, small = zipf_counts(1_000_000, 1.05, 2_000_000, seed=7), zipf_counts(3000, 1.3, 1000, seed=8)
+    hot.write_counts(tmp_path / "c.pt", {"feature_0": big, "feature_2": small}, source="test")
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"handler": {**TINY, "num_embeddings": [1_000_000, 30, 3000]}}))
+    args = ["--config", str(cfg), "--memory", "1GiB", "--cpus", "1", "--dtype", "int8", "--json"]
+    rep = sizing.main([*args, "--counts", str(tmp_path / "c.pt"), "--hot-mib", "1", "4"])
+    tables = {t["name"]: t for t in rep["hot"]["tables"]}
+    assert (
+        abs(tables["feature_0"]["s_counts"] - 1.05) < 0.1
+        and tables["feature_0"]["s"] == tables["feature_0"]["s_counts"]
+    )
+    assert tables["feature_1"]["s_counts"] is None and tables["feature_1"]["s"] == 1.05  # no counts: assumed
+    row = rep["hot"]["row_bytes"]
+    assert row == stream.row_bytes(tiny_config(embedding_dtype="int8"))
+    t = tables["feature_0"]
+    assert t["hot_rows"] == sizing.hot_rows(1_000_000, t["s"], 0.9)
+    assert t["packed_bytes"] == -(-t["hot_rows"] * row // 4096) * 4096 < t["scattered_bytes"]
+    for d in rep["dtypes"].values():
+        assert d["packed_bytes"] < d["working_set_bytes"]
+    # the counts' share: the top rows of both tables (rows counted once never), over every counted lookup
+    total = int(big[1].sum() + small[1].sum())
+    ranked = torch.sort(torch.cat([big[1], small[1]]), descending=True).values
+    shares = [b["hit_rate_counts"] for b in rep["hot"]["budgets"]]
+    for b, mib in zip(rep["hot"]["budgets"], (1, 4)):
+        assert b["rows_counted"] == min(len(ranked), (mib << 20) // row)
+        assert b["hit_rate_counts"] == round(int(ranked[: b["rows_counted"]].sum()) / total, 4)
+    assert shares[0] < shares[1] and 0 < rep["hot"]["budgets"][0]["hit_rate_zipf"] < 1
+    # without counts the assumed exponent and today's working set stand
+    plain = sizing.main(args)
+    assert plain["hot"]["tables"][0]["s"] == 1.05 and plain["hot"]["budgets"] == []
+    assert plain["dtypes"]["int8"]["working_set_bytes"] == sum(
+        sizing.working_set(r, row, 1.05, 0.9) for r in (1_000_000, 30, 3000)
+    )
+
+
+def test_the_zipf_share_of_a_budget_matches_the_brute_force_choice():
+    from scripts.sizing import zipf_budget_hit_rate
+
+    tables = [(500, 1.1, 3.0), (80, 0.7, 1.0), (40, 1.5, 0.0)]  # rows, s, share of lookups
+    probs = []
+    for k, (rows, s, w) in enumerate(tables):
+        z = sum(i**-s for i in range(1, rows + 1))
+        probs += [(w / 4.0 * i**-s / z, k) for i in range(1, rows + 1)]
+    probs.sort(reverse=True)
+    for budget in (1, 37, 200, 579, 1000):
+        ks, hit = zipf_budget_hit_rate(tables, budget)
+        taken = probs[:budget]
+        assert ks == [sum(1 for _, k in taken if k == j) if tables[j][2] else 0 for j in range(3)], budget
+        assert hit == pytest.approx(sum(p for p, _ in taken), abs=1e-9)
+
+
+CRITEO_LINES = [
+    # label, 13 integers, 26 hex ids (an empty field is 0)
+    "1\t" + "\t".join(["1"] * 13) + "\t" + "\t".join(["0a"] * 25 + ["ff"]),
+    "\t".join(["2"] * 13) + "\t" + "\t".join(["3e8"] + [""] * 25),  # no label; 0x3e8 = 1000
+    "0\t" + "\t".join([""] * 13) + "\t" + "\t".join(["0a"] * 26),
+]
+
+
+def criteo_config(tmp_path, **changes):
+    doc = yaml.safe_load((ROOT / "model-config.criteo.yaml").read_text())
+    doc["handler"].update({"num_embeddings": [300] * 26, **changes})
+    path = tmp_path / "criteo.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_count_ids_counts_criteo_lines_as_the_handler_reads_them(tmp_path):
+    from scripts import count_ids
+
+    cfg = criteo_config(tmp_path)  # id_overflow: modulo, 300 rows per table
+    (tmp_path / "day.tsv").write_text("\n".join(CRITEO_LINES) + "\n")
+    out = tmp_path / "counts.pt"
+    got = count_ids.main(["--config", str(cfg), "--criteo", str(tmp_path / "day.tsv"), "--out", str(out)])
+    assert got["lines"] == 3 and got["lookups"] == 78
+    counts = hot.read_counts([out])
+    as_dict = {t: dict(zip(i.tolist(), c.tolist())) for t, (i, c) in counts.items()}
+    assert as_dict["cat_0"] == {10: 2, 1000 % 300: 1}  # 0x0a twice; 0x3e8 folded
+    assert as_dict["cat_25"] == {255: 1, 0: 1, 10: 1}  # 0xff, empty = 0, 0x0a
+    for t in [f"cat_{k}" for k in range(1, 25)]:
+        assert as_dict[t] == {10: 2, 0: 1}, t
+    doc = torch.load(out, weights_only=True)
+    assert doc["format"] == "dlrmkit-id-counts/1" and "day.tsv" in doc["source"]
+    # --limit: the first lines only
+    got = count_ids.main(
+        ["--config", str(cfg), "--criteo", str(tmp_path / "day.tsv"), "--limit", "1", "--out", str(out)]
+    )
+    assert got["lines"] == 1 and got["lookups"] == 26
+
+    bad = [*CRITEO_LINES[:2], CRITEO_LINES[2].replace("0a", "zz", 1)]
+    (tmp_path / "bad.tsv").write_text("\n".join(bad) + "\n")
+    with pytest.raises(SystemExit, match=r"bad\.tsv: line 3, field 15 \(cat_0\): expected hex digits, got 'zz'"):
+        count_ids.main(["--config", str(cfg), "--criteo", str(tmp_path / "bad.tsv"), "--out", str(tmp_path / "x.pt")])
+    strict = criteo_config(tmp_path, id_overflow="error")
+    with pytest.raises(SystemExit, match=r"line 2 \(cat_0\): id 1000 is out of range for table 'cat_0' of 300 rows"):
+        count_ids.main(
+            ["--config", str(strict), "--criteo", str(tmp_path / "day.tsv"), "--out", str(tmp_path / "x.pt")]
+        )
+    assert not (tmp_path / "x.pt").exists()
+    with pytest.raises(SystemExit, match="does not take Criteo lines"):
+        count_ids.main(["--criteo", str(tmp_path / "day.tsv"), "--out", str(tmp_path / "x.pt")])
+
+
+def test_count_ids_counts_json_request_bodies_as_the_handler_parses_them(tmp_path):
+    import json
+
+    from scripts import count_ids
+
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"handler": {**TINY, "id_overflow": "modulo"}}))  # rows 20, 30, 40
+    bodies = [
+        {"dense": [0.0] * 5, "sparse": {"keys": ["feature_1", "feature_0"], "values": [7, 3, 4], "lengths": [1, 2]}},
+        {
+            "instances": [
+                {"dense": [0.0] * 5, "sparse": {"keys": ["feature_0"], "values": [3], "lengths": [1]}},
+                {"dense": [0.0] * 5, "sparse": {"keys": ["feature_2"], "values": [45, 5], "lengths": [2]}},
+            ]
+        },
+        {
+            "context": {"dense": [0.0] * 5, "sparse": {"keys": ["feature_0"], "values": [4], "lengths": [1]}},
+            "columns": {"sparse": {"feature_1": {"values": [7, 8]}}},
+        },
+    ]
+    lines = [json.dumps(b) for b in bodies]
+    (tmp_path / "req.jsonl").write_text(lines[0] + "\n\n" + "\n".join(lines[1:]) + "\n")
+    out = tmp_path / "counts.pt"
+    got = count_ids.main(["--config", str(cfg), "--requests", str(tmp_path / "req.jsonl"), "--out", str(out)])
+    assert got["lines"] == 3
+    as_dict = {t: dict(zip(i.tolist(), c.tolist())) for t, (i, c) in hot.read_counts([out]).items()}
+    # feature_0: 3, 4 | 3 | the context's 4 once per row (2 rows); feature_2: 45 % 40 = 5, and 5
+    assert as_dict == {"feature_0": {3: 2, 4: 3}, "feature_1": {7: 2, 8: 1}, "feature_2": {5: 2}}
+
+    (tmp_path / "bad.jsonl").write_text(lines[0] + "\n\n" + '{"dense": [0.0]}\n')
+    with pytest.raises(SystemExit, match=r"bad\.jsonl: line 3: sparse: required field is missing"):
+        count_ids.main(["--config", str(cfg), "--requests", str(tmp_path / "bad.jsonl"), "--out", str(out)])
+    cfg.write_text(yaml.safe_dump({"handler": TINY}))  # id_overflow: error
+    with pytest.raises(
+        SystemExit, match=r"req\.jsonl: line 3: instances\[1\]\.sparse\.values\[0\]: id 45 is out of range"
+    ):
+        count_ids.main(["--config", str(cfg), "--requests", str(tmp_path / "req.jsonl"), "--out", str(out)])
