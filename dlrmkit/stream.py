@@ -50,7 +50,7 @@ from dlrmkit.config import DLRMConfig
 from dlrmkit.errors import ConfigError, InternalError
 from dlrmkit.hot import HOT
 from dlrmkit.model import DLRMFactory
-from dlrmkit.scale import EBC, TABLES, fused_rows, table_bytes
+from dlrmkit.scale import EBC, TABLES, fused_rows, load_read_only, table_bytes
 
 CHUNK_BYTES = 256 << 20  # fp32 bytes of rows quantized at once: the build's working set
 _RESERVE = 2 << 30  # disk left free for everyone else on the machine
@@ -237,6 +237,51 @@ class CheckpointSource:
             dst.copy_(self._whole[fqn][int(index.offset[0]) + first :][: dst.shape[0]])
 
         return read
+
+
+class ModelSource:
+    """The tables and dense layers of a built model's weights file (``scripts/build_big.py`` or
+    ``build_mar.py``, the same config and dtype), read as they are: its fused rows copied byte for
+    byte (no quantization), a chunk at a time from the mapped file; hot copies it holds are left
+    behind (``write_weights`` makes the new ones). What re-packing a model with new counts reads."""
+
+    def __init__(self, weights: str | Path, config: DLRMConfig):
+        self.path, self.config = Path(weights), config
+        if not self.path.is_file():
+            raise ConfigError(f"--repack: {self.path}: no weights file (a model directory holds dlrm.pt)")
+        try:
+            self.state = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
+        except RuntimeError as e:
+            if "Cannot allocate memory" not in str(e):
+                raise ConfigError(f"--repack: {self.path}: not a torch state_dict file ({e})") from None
+            self.state = load_read_only(self.path, random_access=False)  # larger than memory: read in order
+        width = row_bytes(config)
+        for name, rows in zip(config.sparse_features, config.num_embeddings):
+            got = self.state.get(f"{TABLES}{name}.weight")
+            if (
+                got is None
+                or got.dtype != torch.uint8
+                or got.dim() != 2
+                or got.shape[0] < rows
+                or got.shape[1] != width
+            ):
+                shape = None if got is None else list(got.shape)
+                raise ConfigError(
+                    f"--repack: {self.path}: table {name!r} is {shape}, the config needs {rows} rows of {width} bytes "
+                    f"({config.build.embedding_dtype}); re-pack with the model's own model-config.yaml"
+                )
+
+    def describe(self) -> str:
+        return f"the rows of {self.path}, byte for byte"
+
+    def fused(self, table: int, start: int, n: int) -> torch.Tensor:
+        return self.state[f"{TABLES}{self.config.sparse_features[table]}.weight"][start : start + n]
+
+    def rows(self, table: int, start: int, n: int) -> torch.Tensor:
+        raise InternalError("ModelSource holds fused rows: write_weights reads fused()")
+
+    def dense(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state.items() if not k.startswith(EBC) and not k.startswith(HOT)}
 
 
 def _stored_rows(path: Path, offset: int, length: int):
@@ -430,7 +475,10 @@ def write_weights(
             copies = None if ids is None else torch.empty(len(ids), s.row_bytes, dtype=torch.uint8)
             for start in range(0, own, chunk_rows):
                 n = min(chunk_rows, own - start)
-                fused = fused_rows({s.name: source.rows(t, start, n)}, dtype)[s.name]
+                if hasattr(source, "fused"):  # already the kernel's rows (ModelSource): copied as they are
+                    fused = source.fused(t, start, n)
+                else:
+                    fused = fused_rows({s.name: source.rows(t, start, n)}, dtype)[s.name]
                 if fused.shape != (n, s.row_bytes):
                     raise InternalError(
                         f"table {s.name}: quantized rows {tuple(fused.shape)}, layout {n} x {s.row_bytes}"

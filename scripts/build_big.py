@@ -4,6 +4,7 @@ workers load where it lies (no .mar, no copy).
 
     python scripts/build_big.py --config model-config.dlrmv2.yaml --full --dtype int8 --out /work/big/store/dlrmv2-int8
     python scripts/build_big.py --config my.yaml --checkpoint ckpt_dir/ --out /data/store/dlrm
+    python scripts/build_big.py --repack /data/store/dlrm --hot-counts counts/ --out /data/store/dlrm-2
 
 The tables are written table by table, a chunk of rows at a time, straight into the quantized
 row layout (dlrmkit/stream.py): fp32 tables are never held, so memory stays at about --chunk-mib
@@ -24,6 +25,10 @@ training data (scripts/count_ids.py); without them every row stays in id order (
 
     python scripts/build_big.py --config model-config.dlrmv2.yaml --full --dtype int8 \
         --hot-counts counts/ --hot-mib 2048 --out /work/big/store/dlrmv2-int8
+
+``--repack DIR``: a new model directory from a built one (its config, dtype and rows, byte for
+byte: no checkpoint read, nothing quantized again) with the hot rows chosen from new counts: what
+traffic that has shifted calls for, followed by a rollout (scripts/rollout.py).
 
 The disk needed is printed first; the build refuses to start without it (plus 2 GiB kept free).
 """
@@ -139,6 +144,12 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument("--feature-order", metavar="F1,F2,...", help="with --checkpoint: as in build_mar.py")
     ap.add_argument(
+        "--repack",
+        metavar="MODEL_DIR",
+        help="the rows of this built model directory, copied as they are (its model-config.yaml; "
+        "with --hot-counts: packed anew)",
+    )
+    ap.add_argument(
         "--out",
         required=True,
         help="the model directory to write (outside any git checkout "
@@ -168,12 +179,17 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
 
     from dlrmkit.config import DLRMConfig
+    from dlrmkit.dense import CALIBRATION_FILE
     from dlrmkit.errors import ConfigError
     from dlrmkit import stream
 
     out = Path(args.out).resolve()
     if out.exists() and not args.force:
         sys.exit(f"error: {out} exists; pass --force to replace it")
+    if args.repack and (args.checkpoint or args.full or args.dtype):
+        sys.exit("error: --repack takes the model's own config, rows and dtype: drop --checkpoint, --full and --dtype")
+    if args.repack:
+        args.config = str(Path(args.repack) / "model-config.yaml")
     try:
         config = DLRMConfig.from_yaml(args.config)
         rows = config.num_embeddings
@@ -195,17 +211,20 @@ def main(argv: list[str] | None = None) -> dict:
         out.parent.mkdir(parents=True, exist_ok=True)
         free = stream.check_disk(out, need)
         print(f"[build] {free / 2**30:.1f} GiB free at {out.parent}", flush=True)
-        source = (
-            stream.CheckpointSource(
+        if args.repack:
+            source = stream.ModelSource(Path(args.repack) / "dlrm.pt", config)
+        elif args.checkpoint:
+            source = stream.CheckpointSource(
                 args.checkpoint, config, args.feature_order.split(",") if args.feature_order else None
             )
-            if args.checkpoint
-            else stream.RandomSource(config)
-        )
+        else:
+            source = stream.RandomSource(config)
         with tempfile.TemporaryDirectory(prefix="dlrm-big-cfg-") as tmp:
             cfg = Path(tmp) / "model-config.yaml"
             derived_config(Path(args.config), cfg, rows, config.build.embedding_dtype)
             model_directory(out, cfg, args.model_name or out.name, args.version)
+        if args.repack and (Path(args.repack) / CALIBRATION_FILE).is_file():
+            shutil.copy2(Path(args.repack) / CALIBRATION_FILE, out / CALIBRATION_FILE)
         result = stream.write_weights(
             out / "dlrm.pt",
             config,

@@ -497,3 +497,37 @@ def test_count_ids_counts_json_request_bodies_as_the_handler_parses_them(tmp_pat
         SystemExit, match=r"req\.jsonl: line 3: instances\[1\]\.sparse\.values\[0\]: id 45 is out of range"
     ):
         count_ids.main(["--config", str(cfg), "--requests", str(tmp_path / "req.jsonl"), "--out", str(out)])
+
+
+def test_repack_copies_the_rows_and_packs_them_from_new_counts(tmp_path):
+    from scripts import build_big
+
+    config = tiny_config(embedding_dtype="int4", num_embeddings=ROWS)
+    rows = dict(zip(config.sparse_features, config.num_embeddings))
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"handler": {**TINY, "num_embeddings": ROWS}}))
+    old_counts = {t: (torch.arange(5), torch.full((5,), 9)) for t in rows}
+    new_counts = {t: (torch.arange(n - 7, n), torch.full((7,), 9)) for t, n in rows.items()}
+    hot.write_counts(tmp_path / "old.pt", old_counts)
+    hot.write_counts(tmp_path / "new.pt", new_counts)
+    first, second = tmp_path / "store" / "first", tmp_path / "store" / "second"
+    build_big.main(
+        ["--config", str(cfg), "--dtype", "int4", "--hot-counts", str(tmp_path / "old.pt"), "--out", str(first)]
+    )
+    with pytest.raises(SystemExit, match="--repack takes the model's own config"):
+        build_big.main(["--repack", str(first), "--dtype", "int8", "--out", str(second)])
+    result = build_big.main(["--repack", str(first), "--hot-counts", str(tmp_path / "new.pt"), "--out", str(second)])
+    assert "byte for byte" in result["source"] and result["hot_rows"] == 21
+    a = torch.load(first / "dlrm.pt", mmap=True, weights_only=True)
+    b = torch.load(second / "dlrm.pt", mmap=True, weights_only=True)
+    for t, n in rows.items():
+        key = f"{TABLES}{t}.weight"
+        assert torch.equal(a[key][:n], b[key][:n])  # every row as it was
+        assert b[f"{hot.HOT}{t}"].tolist() == list(range(n - 7, n))  # the new hot set
+        assert torch.equal(b[key][n:], b[key][n - 7 : n])  # and its copies
+    for k in a:
+        if not k.startswith((TABLES, hot.HOT)):
+            assert torch.equal(a[k], b[k]), k
+    dense, kjt = skewed_batch(config, n=32, seed=8)
+    m1, m2 = DLRMFactory(config).load(first / "dlrm.pt"), DLRMFactory(config).load(second / "dlrm.pt")
+    assert torch.equal(logits(m1, dense, m1.hot_index.redirect(kjt)), logits(m2, dense, m2.hot_index.redirect(kjt)))
