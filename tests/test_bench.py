@@ -2,22 +2,26 @@
 
 Unit: config overlays, report writing, the rate search on fake verdicts, LoadGen's summary as
 LoadGen itself writes it (a fake system under test in this process), the request bodies against
-the kit's own parser. Integration: bench/server_scenario.py end to end, a few seconds per rate,
-against a real TorchServe serving the tiny seed config.
+the kit's own parser; bench/bigtables.py's queries, the workers' "hot rows" line it reads, the
+unpacked twin of a packed model directory, its ratios and report on fake figures. Integration:
+bench/server_scenario.py end to end, a few seconds per rate, against a real TorchServe serving the
+tiny seed config.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import yaml
 from conftest import ROOT, TINY, FakeContext, tiny_config, variant
 
-from bench import common
+from bench import bigtables, common
 from bench import mlperf
 from bench import server_scenario
 
@@ -357,6 +361,122 @@ def test_forward_lines_give_each_archive_per_core_beside_stock_and_mlperf():
         f"| model-config.dlrmv2.yaml | int8 static | 19,216 | 9,608 | 2,617 | {19216 / 5234:.2f} | "
         f"{9608 / mlperf.PUBLISHED_PAIRS_PER_CORE:.2f} |",
     ]
+
+
+def test_bigtables_reads_the_workers_hot_rows_line():
+    prefix = "2026-12-06T02:56:40 [INFO ] W-9000-m_1.0-stdout MODEL_LOG - "
+    got = bigtables.hot_rows(
+        "other line\n" + prefix + "hot rows: 215301 rows (29.7 MiB) of 26 tables, read in 0.03 s, not locked: "
+        "mlock: Cannot allocate memory (RLIMIT_MEMLOCK 8.0 MiB, hot rows 29.7 MiB; ...)\n" + prefix + "hot rows: 1 rows"
+    )
+    assert got == {"rows": 215301, "mib": 29.7, "tables": 26, "seconds": 0.03, "locked": False} | {
+        "why_not": "mlock: Cannot allocate memory (RLIMIT_MEMLOCK 8.0 MiB, hot rows 29.7 MiB; ...)"
+    }
+    locked = bigtables.hot_rows(prefix + "hot rows: 5 rows (0.1 MiB) of 2 tables, read in 1.50 s, locked in memory")
+    assert locked["locked"] and locked["why_not"] is None and locked["seconds"] == 1.5
+    unused = bigtables.hot_rows(prefix + "hot rows: 5 rows, not used (handler.hot_rows: false)")
+    assert unused == {"rows": 5, "note": "not used (handler.hot_rows: false)", "locked": False}
+    assert bigtables.hot_rows("DLRM loaded on cpu") is None
+
+
+def test_bigtables_unpacked_sibling_links_the_packed_files_with_hot_rows_off(tmp_path):
+    packed = tmp_path / "store" / "big"
+    (packed / "MAR-INF").mkdir(parents=True)
+    (packed / "dlrm.pt").write_bytes(b"weights")
+    (packed / "dlrmkit").mkdir()
+    (packed / "model-config.yaml").write_text(yaml.safe_dump({"batchSize": 1, "handler": {"seed": 0}}))
+    (packed / "MAR-INF" / "MANIFEST.json").write_text(json.dumps({"model": {"modelName": "big", "x": 1}}))
+    out = bigtables.unpacked_sibling(packed)
+    assert out == tmp_path / "store" / "big-unpacked"
+    assert (out / "dlrm.pt").is_symlink() and (out / "dlrm.pt").resolve() == packed / "dlrm.pt"
+    assert not Path(os.readlink(out / "dlrm.pt")).is_absolute()  # also inside a container's mount
+    assert (out / "dlrmkit").resolve() == packed / "dlrmkit"
+    assert yaml.safe_load((out / "model-config.yaml").read_text()) == {
+        "batchSize": 1,
+        "handler": {"seed": 0, "hot_rows": False},
+    }
+    assert json.loads((out / "MAR-INF" / "MANIFEST.json").read_text()) == {
+        "model": {"modelName": "big-unpacked", "x": 1}
+    }
+    assert bigtables.unpacked_sibling(packed) == out  # made again over the old one
+
+
+def test_bigtables_queries_are_mlperf_shaped_each_drawn_once_and_parse():
+    from dlrmkit.config import DLRMConfig
+    from dlrmkit.forms import RequestParser
+
+    cfg = DLRMConfig.from_yaml(ROOT / "model-config.dlrmv2.yaml")
+    pool = bigtables.Queries(cfg, "zipf 1.05", seed=11, ahead=2)
+    got = [pool[0] for _ in range(3)]  # any index: the next query; the third drawn on the spot
+    assert pool.late == 1 and len({q.body for q in got}) == 3
+    again = bigtables.Queries(cfg, "zipf 1.05", seed=11, ahead=3)
+    assert [again[5].body for _ in range(3)] == [q.body for q in got]  # seeded
+    bags = mlperf.mlperf_bags(cfg)
+    for q in got:
+        assert mlperf.PAIRS[0] <= q.pairs <= mlperf.PAIRS[1]
+        cols = json.loads(q.body)["columns"]
+        for f, n, k in zip(cfg.sparse_features, cfg.num_embeddings, bags):
+            assert cols["sparse"][f]["lengths"] == [k] * q.pairs and max(cols["sparse"][f]["values"]) < n
+        RequestParser(cfg).parse(q.body)
+    uniform = bigtables.Queries(cfg, "uniform", seed=11, ahead=1)[0]
+    assert uniform.pairs == got[0].pairs and uniform.body != got[0].body
+
+
+def bigtables_phase(p99: float | None, faults: float, valid: bool = False) -> dict:
+    r = {"valid": valid, "queries": 60, "p50_ms": 40.0, "p99_ms": p99, "max_ms": 90.0, "errors": 0}
+    r.update(majflt_per_query=faults, disk_read_mb_s=1.5, page_cache_share=0.1, rss_anon_mib=600, rss_file_mib=300)
+    return r if valid else r | {"unsatisfied": ["Early stopping"]}
+
+
+def bigtables_row(variant: str, dist: str, cold: tuple, warm: tuple, hot: dict | None) -> dict:
+    row = {"variant": variant, "dist": dist, "model_dir": f"/s/{variant}", "weights_gib": 27.44, "cache_drop": "x"}
+    return row | {
+        "workers": 2,
+        "startup_s": 20.0,
+        "hot": hot,
+        "cold": bigtables_phase(*cold),
+        "warm": bigtables_phase(*warm),
+    }
+
+
+def test_bigtables_ratios_and_report():
+    hot = {"rows": 9, "mib": 2048.0, "tables": 26, "seconds": 4.0, "locked": True, "why_not": None}
+    rows = [
+        bigtables_row("packed", "zipf 1.05", (200.0, 30.0), (70.0, 2.0), hot),
+        bigtables_row(
+            "unpacked", "zipf 1.05", (400.0, 60.0), (140.0, 0.0), {"rows": 9, "note": "not used", "locked": False}
+        ),
+        bigtables_row("capped", "zipf 1.05", (100.0, 1.0), (50.0, 0.0, True), None),
+        bigtables_row("packed", "uniform", (None, 10.0), (90.0, 5.0), hot),
+    ]
+    got = bigtables.ratios(rows)
+    assert got == [
+        {"dist": "zipf 1.05", "phase": "cold", "p99_vs_unpacked": 0.5, "faults_vs_unpacked": 0.5, "p99_vs_capped": 2.0},
+        {"dist": "zipf 1.05", "phase": "warm", "p99_vs_unpacked": 0.5, "faults_vs_unpacked": None}
+        | {"p99_vs_capped": 1.4, "target_met": False},
+        {"dist": "uniform", "phase": "cold"},
+        {"dist": "uniform", "phase": "warm"},
+    ]
+    m = {"cpu": "Xeon", "available_cpus": 2, "isa": "avx512f", "load_average": [1.0, 1.0, 1.0]}
+    settings = {"qps": 1.0, "cold_s": 60.0, "warm_s": 120.0, "seed": 11, "dists": ["zipf 1.05", "uniform"]}
+    report = {"title": "t", "machine": m, "memory_gib": 23.6, "settings": settings, "rows": rows, "ratios": got}
+    md = bigtables.markdown(report)
+    assert "| packed | zipf 1.05 | packed | 27.44 | x | 2 | 20.0 | 9 rows (2048.0 MiB), read in 4.0 s, locked |" in md
+    assert "| unpacked | zipf 1.05 | unpacked | 27.44 | x | 2 | 20.0 | 9 rows, not used |" in md
+    assert "| capped | zipf 1.05 | capped | 27.44 | x | 2 | 20.0 | none (no hot rows in the weights) |" in md
+    assert (
+        "| packed | zipf 1.05 | warm | INVALID (Early stopping) | 60 | 40.0 / 70.0 / 90.0 | 0 | 2.0 | 1.5 | 0.1 | 600 / 300 |"
+        in md
+    )
+    assert "| capped | zipf 1.05 | warm | VALID | 60 | 40.0 / 50.0 / 90.0 | 0 | 0.0 | 1.5 | 0.1 | 600 / 300 |" in md
+    assert "| zipf 1.05 | warm | 0.5 | n/a | 1.4, missed |" in md and "| uniform | cold | n/a | n/a | n/a |" in md
+    assert sum(line.startswith("| packed |") for line in md) == 2 + 4  # a start row per variant, a row per phase
+
+
+def test_bigtables_refuses_a_distribution_it_cannot_draw(capsys):
+    with pytest.raises(SystemExit):
+        bigtables.main(["serve", "--dists", "1.05", "zipf"])
+    assert "--dists: expected Zipf exponents (e.g. 1.05) or uniform" in capsys.readouterr().err
 
 
 @pytest.mark.integration
