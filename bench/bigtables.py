@@ -125,18 +125,30 @@ class Queries:
 # --- the model directories and the machine's counters ---------------------------------------------
 
 
-def unpacked_sibling(packed: Path) -> Path:
-    """DIR-unpacked beside ``packed``: relative symbolic links to its files (the same weights, the
-    same page cache), its own model-config.yaml with handler.hot_rows: false and its own manifest."""
-    out = packed.with_name(packed.name + "-unpacked")
+# variant -> (its directory's suffix, the handler keys it changes)
+VARIANTS = {
+    "packed": ("", {}),
+    "no-prefetch": ("-noprefetch", {"prefetch": False}),
+    "unpacked": ("-unpacked", {"hot_rows": False, "prefetch": False}),
+}
+
+
+def unpacked_sibling(packed: Path, variant: str = "unpacked") -> Path:
+    """DIR-<variant> beside ``packed``: relative symbolic links to its files (the same weights, the
+    same page cache), its own model-config.yaml with the variant's handler keys (unpacked:
+    handler.hot_rows and handler.prefetch false, as before hot rows) and its own manifest."""
+    suffix, changes = VARIANTS[variant]
+    if not suffix:
+        return packed
+    out = packed.with_name(packed.name + suffix)
     shutil.rmtree(out, ignore_errors=True)
     (out / "MAR-INF").mkdir(parents=True)
     for p in packed.iterdir():
         if p.name not in ("model-config.yaml", "MAR-INF"):
             (out / p.name).symlink_to(Path("..") / packed.name / p.name)
     doc = yaml.safe_load((packed / "model-config.yaml").read_text())
-    doc["handler"]["hot_rows"] = False
-    head = f"# bench/bigtables.py: {packed.name}'s config, its hot rows not used (every id read where it lies)\n"
+    doc["handler"].update(changes)
+    head = f"# bench/bigtables.py: {packed.name}'s config with {changes}\n"
     (out / "model-config.yaml").write_text(head + yaml.safe_dump(doc, sort_keys=False, width=100))
     manifest = json.loads((packed / "MAR-INF" / "MANIFEST.json").read_text())
     manifest["model"]["modelName"] = out.name
@@ -393,7 +405,7 @@ def cmd_serve(args, argv) -> int:
     started, tmp = time.perf_counter(), Path(tempfile.mkdtemp(prefix="bigtables-capped-"))
     report = {"title": TITLE, "memory_gib": memory_gib(), "settings": settings(args), "rows": []}
     try:
-        variants = [("packed", packed), ("unpacked", unpacked_sibling(packed))]
+        variants = [(v, unpacked_sibling(packed, v)) for v in args.variants]
         if args.compare_capped:
             dtype = DLRMConfig.from_yaml(packed / "model-config.yaml").build.embedding_dtype
             capped = Path(args.capped_dir).resolve() if args.capped_dir else build_capped(tmp / "store", dtype)
@@ -546,6 +558,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--dists", nargs="+", default=["1.05"], metavar="S|uniform",
                     help="Zipf exponents and/or uniform (default: %(default)s)")  # fmt: skip
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["packed", "unpacked"],
+        choices=list(VARIANTS),
+        help="serve: packed (as built), no-prefetch (handler.prefetch: false), unpacked (hot_rows and prefetch "
+        "false: as before hot rows) (default: %(default)s)",
+    )
     ap.add_argument("--qps", type=float, default=1.0, help="LoadGen's server_target_qps (default: %(default)s)")
     ap.add_argument("--cold-s", type=float, default=60.0, help="the cold run's seconds (default: %(default)s)")
     ap.add_argument("--warm-s", type=float, default=120.0, help="the warm run's seconds (default: %(default)s)")

@@ -54,6 +54,8 @@ def derived_config(src: Path, out: Path, rows, dtype: str) -> None:
     doc = yaml.safe_load(src.read_text())
     doc["handler"]["num_embeddings"] = list(rows)
     doc["handler"]["embedding_dtype"] = dtype
+    # a worker of a model larger than memory reads its hot rows and compiles before it is ready
+    doc["startupTimeout"] = max(int(doc.get("startupTimeout") or 0), 600)
     out.write_text(
         f"# Written by scripts/build_big.py from {src.name}: {sum(rows):,} rows, {dtype} tables.\n"
         + yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=100)

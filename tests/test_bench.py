@@ -393,12 +393,16 @@ def test_bigtables_unpacked_sibling_links_the_packed_files_with_hot_rows_off(tmp
     assert (out / "dlrmkit").resolve() == packed / "dlrmkit"
     assert yaml.safe_load((out / "model-config.yaml").read_text()) == {
         "batchSize": 1,
-        "handler": {"seed": 0, "hot_rows": False},
+        "handler": {"seed": 0, "hot_rows": False, "prefetch": False},
     }
     assert json.loads((out / "MAR-INF" / "MANIFEST.json").read_text()) == {
         "model": {"modelName": "big-unpacked", "x": 1}
     }
     assert bigtables.unpacked_sibling(packed) == out  # made again over the old one
+    assert bigtables.unpacked_sibling(packed, "packed") == packed
+    assert yaml.safe_load((bigtables.unpacked_sibling(packed, "no-prefetch") / "model-config.yaml").read_text())[
+        "handler"
+    ] == {"seed": 0, "prefetch": False}
 
 
 def test_bigtables_queries_are_mlperf_shaped_each_drawn_once_and_parse():
