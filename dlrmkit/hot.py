@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import fcntl
 import logging
 import mmap
 import os
@@ -305,6 +306,7 @@ class Prefetch:
 
     def __init__(self, qebc, rows: Mapping[str, int], min_bytes: int = 256 << 20):
         self.tables: dict[str, tuple[object, int, int, int, int]] = {}
+        self.asked: dict[str, int] = {}  # table -> pages asked for so far (Fill reads the busiest first)
         for tables, tbe in zip(qebc._key_to_tables.values(), qebc._emb_modules):
             start = tbe.weights_host.data_ptr()
             for cfg, (view, _, _) in zip(tables, tbe.split_embedding_weights_with_scale_bias(split_scale_bias_mode=0)):
@@ -336,6 +338,110 @@ class Prefetch:
                 asked += len(pages)
             at += n
         return asked
+
+
+def memory_room(meminfo: str | Path = "/proc/meminfo", cgroup: str | Path = "/sys/fs/cgroup") -> int:
+    """Bytes the page cache may still grow by without evicting anything: the machine's free memory
+    and, under a cgroup memory limit (v2 ``memory.max``, v1 ``memory/memory.limit_in_bytes``), the
+    limit less the cgroup's usage. ``meminfo`` and ``cgroup`` are for tests."""
+    room = 0
+    for line in Path(meminfo).read_text().splitlines():
+        if line.startswith("MemFree:"):
+            room = int(line.split()[1]) * 1024
+    root = Path(cgroup)
+    for limit, usage in (
+        ("memory.max", "memory.current"),
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
+    ):
+        try:
+            cap, used = (root / limit).read_text().strip(), int((root / usage).read_text())
+        except (OSError, ValueError):
+            continue
+        if cap.isdigit() and int(cap) < 1 << 60:
+            room = min(room, int(cap) - used)
+    return room
+
+
+class Fill:
+    """Tables larger than memory: once the worker is ready, the rest of their rows is read into the
+    page cache in the background, a chunk at a time in file order (plain sequential reads: the disk
+    streams them), the table whose pages the lookups asked for most per byte first, at most
+    ``rate`` bytes a second, until the memory left (``memory_room``) falls to ``floor``. Without it
+    the cache fills one random page fault at a time (~16 MB a query at MLPerf's sizes). One worker
+    of a machine fills (an flock on the weights file); the others share its page cache."""
+
+    def __init__(
+        self,
+        path: str,
+        regions: Mapping[str, tuple[int, int]],
+        prefetch: Prefetch,
+        floor: int,
+        chunk: int = 32 << 20,
+        rate: int = 256 << 20,
+    ):
+        self.path, self.regions, self.prefetch = path, dict(regions), prefetch
+        self.floor, self.chunk, self.rate = floor, chunk, rate
+        self.read = 0
+        self.order: list[str] = []  # the table of each chunk read, in order
+        self.seconds = 0.0
+        self.stopped_by = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dlrm-fill", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        started = time.perf_counter()
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            self.stopped_by = f"cannot open {self.path}: {e}"
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                self.stopped_by = "another worker fills"
+                return
+            buf = bytearray(self.chunk)
+            done = {t: 0 for t in self.regions}
+            while not self._stop.is_set():
+                left = [t for t in self.regions if done[t] < self.regions[t][1]]
+                if not left:
+                    self.stopped_by = "every table read"
+                    break
+                if memory_room() < self.floor:
+                    self.stopped_by = f"memory left at the floor ({self.floor / 2**30:.1f} GiB)"
+                    break
+                table = max(left, key=lambda t: self.prefetch.asked.get(t, 0) / self.regions[t][1])
+                offset, length = self.regions[table]
+                n = min(self.chunk, length - done[table])
+                t0 = time.perf_counter()
+                got = os.preadv(fd, [memoryview(buf)[:n]], offset + done[table])
+                done[table] += n
+                self.order.append(table)
+                self.read += got
+                self._stop.wait(max(0.0, n / self.rate - (time.perf_counter() - t0)))
+        finally:
+            os.close(fd)
+            self.seconds = time.perf_counter() - started
+            logger.info(
+                "prefetch: %.1f GiB of the large tables read into the page cache in %.0f s (%s)",
+                self.read / 2**30,
+                self.seconds,
+                self.stopped_by or "stopped",
+            )
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait for the reader to end (every table read, or the floor); True if it did."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
 
 class IdCounter:

@@ -324,12 +324,18 @@ def worker_devices(
 
 
 _MAPPINGS: list = []  # read-only mappings handed to torch: alive as long as the worker
+_MAPPED: list[tuple[str, int, int]] = []  # (path, address, bytes) of each read-only mapping
 
 
 def mapped_read_only() -> bool:
     """Whether this process mapped an archive read-only (``load_read_only``: tables larger than
     memory), so that its tables cannot be written in place."""
     return bool(_MAPPINGS)
+
+
+def mapped_files() -> list[tuple[str, int, int]]:
+    """(path, address, bytes) of every file this process mapped read-only (``load_read_only``)."""
+    return list(_MAPPED)
 
 
 def load_read_only(path: str | os.PathLike, random_access: bool = True) -> dict:
@@ -350,5 +356,6 @@ def load_read_only(path: str | os.PathLike, random_access: bool = True) -> dict:
     with warnings.catch_warnings():  # "The given buffer is not writable": that is the point
         warnings.simplefilter("ignore", UserWarning)
         storage = torch.frombuffer(mapped, dtype=torch.uint8).untyped_storage()
+    _MAPPED.append((os.fspath(path), storage.data_ptr(), storage.nbytes()))
     with _open_zipfile_reader(os.fspath(path)) as zip_file:
         return _load(zip_file, "cpu", _weights_only_unpickler, overall_storage=storage, encoding="utf-8")

@@ -41,13 +41,13 @@ from dlrmkit.config import DLRMConfig
 from dlrmkit.cpus import available_cpus, split_parts, torch_threads
 from dlrmkit.errors import BadRequest, ConfigError, OutOfMemory, RequestError, ServerError
 from dlrmkit.forms import RequestParser
-from dlrmkit.hot import HotIndex, IdCounter, Prefetch, warm
+from dlrmkit.hot import Fill, HotIndex, IdCounter, Prefetch, warm
 from dlrmkit.live import DeltaApplier, start_watcher
 from dlrmkit.live.applier import Emit
 from dlrmkit.model import DLRMFactory
 from dlrmkit.protocols import Reply
 from dlrmkit.request import ParsedRequest
-from dlrmkit.scale import TABLES, fused_tables, mapped_read_only, worker_devices
+from dlrmkit.scale import TABLES, fused_tables, mapped_files, mapped_read_only, worker_devices
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +105,7 @@ class Worker:
     warmed: dict | None = None  # what warming the hot rows did (bytes, seconds, locked)
     counter: IdCounter | None = None  # with handler.count_ids_dir: counts the looked-up ids
     prefetch: Prefetch | None = None  # handler.prefetch: the pages of a forward's lookups asked for at once
+    fill: Fill | None = None  # handler.prefetch, tables larger than memory: the rest read into the cache once ready
 
     def load(
         self,
@@ -140,6 +141,8 @@ class Worker:
             self.close()  # the pool's threads too: a worker that fails to load leaves nothing running
             raise
         self._say_loaded(devices, time.perf_counter() - started, frozen, dense)
+        if self.fill is not None:
+            self.fill.start()  # after load: the worker reports ready while it reads
 
     def _read_config(
         self, model_dir: str | Path, manifest: Mapping[str, Any] | None, model_yaml: Mapping[str, Any] | None
@@ -217,6 +220,24 @@ class Worker:
         if c.count_ids_dir:
             self.counter = IdCounter(c.count_ids_dir, c.count_ids_every, worker=f"{self.model_id[0]}-{os.getpid()}")
 
+    @staticmethod
+    def _fill(prefetch: Prefetch) -> Fill | None:
+        """Tables larger than memory (mapped read-only): the reader of their other rows, started once
+        the worker is ready, keeping max(1 GiB, a tenth of the machine's memory) free."""
+        files = mapped_files()
+        if not files:
+            return None
+        regions = {}
+        for table, (tbe, offset, stride, _, own) in prefetch.tables.items():
+            at = tbe.weights_host.data_ptr() + offset  # type: ignore[attr-defined]  # fbgemm's kernel
+            for _path, base, size in files:
+                if base <= at < base + size:
+                    regions[table] = (at - base, own * stride)
+        if not regions:
+            return None
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return Fill(files[0][0], regions, prefetch, floor=max(1 << 30, total // 10))
+
     def _start_split_pool(self) -> None:
         """handler.split_rows: a large forward's parts run at once, on the pool's threads and this one."""
         self.split_parts = split_parts(self.threads, self.cpus) if self.device.type == "cpu" else 1
@@ -266,6 +287,9 @@ class Worker:
         counter, self.counter = self.counter, None
         if counter is not None:
             counter.close()
+        fill, self.fill = self.fill, None
+        if fill is not None:
+            fill.stop()
 
     # --- serving -------------------------------------------------------------------------------
 

@@ -531,3 +531,51 @@ def test_repack_copies_the_rows_and_packs_them_from_new_counts(tmp_path):
     dense, kjt = skewed_batch(config, n=32, seed=8)
     m1, m2 = DLRMFactory(config).load(first / "dlrm.pt"), DLRMFactory(config).load(second / "dlrm.pt")
     assert torch.equal(logits(m1, dense, m1.hot_index.redirect(kjt)), logits(m2, dense, m2.hot_index.redirect(kjt)))
+
+
+def test_memory_room_is_free_memory_capped_by_the_cgroup_limit(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 24000000 kB\nMemFree: 1000 kB\nMemAvailable: 9000000 kB\n")
+    assert hot.memory_room(meminfo, tmp_path / "none") == 1000 * 1024  # free, not available: the cache counts
+    meminfo.write_text("MemFree: 8000000 kB\n")
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text("4294967296\n")
+    (v2 / "memory.current").write_text(str(3 << 30))
+    assert hot.memory_room(meminfo, v2) == 1 << 30
+    (v2 / "memory.max").write_text("max\n")
+    assert hot.memory_room(meminfo, v2) == 8000000 * 1024
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(str(8 << 30))
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(str(6 << 30))
+    assert hot.memory_room(meminfo, v1) == 2 << 30
+
+
+def test_fill_reads_the_busiest_table_first_until_the_floor_and_one_worker_fills(tmp_path):
+    path = tmp_path / "weights"
+    path.write_bytes(bytes(6 << 20))
+
+    class Asked:
+        asked = {"b": 10}
+
+    regions = {"a": (0, 2 << 20), "b": (2 << 20, 3 << 20)}
+    fill = hot.Fill(str(path), regions, Asked(), floor=0, chunk=1 << 20, rate=1 << 40)
+    fill.start()
+    assert fill.wait(30)
+    assert fill.read == 5 << 20 and fill.stopped_by == "every table read"
+    assert fill.order == ["b", "b", "b", "a", "a"]  # b: asked for most per byte
+    full = hot.Fill(str(path), regions, Asked(), floor=1 << 60)
+    full.start()
+    assert full.wait(30) and full.read == 0 and full.stopped_by.startswith("memory left at the floor")
+    import fcntl
+    import os
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another worker's reader holds it
+        other = hot.Fill(str(path), regions, Asked(), floor=0)
+        other.start()
+        assert other.wait(30) and other.read == 0 and other.stopped_by == "another worker fills"
+    finally:
+        os.close(fd)
