@@ -198,6 +198,7 @@ class Worker:
                 logger.info(
                     "prefetch: the pages of each forward's lookups in %s asked for at once", ", ".join(prefetch.tables)
                 )
+                self.fill = self._fill(prefetch)
         if index is not None and c.hot_rows and single and self.device.type == "cpu":
             qebc = model.get_submodule("sparse_arch.embedding_bag_collection")
             views = {k[len(TABLES) : -len(".weight")]: v for k, v in fused_tables(qebc).items()}
