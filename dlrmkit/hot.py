@@ -47,10 +47,12 @@ from dlrmkit.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 HOT = "hot_rows."  # a table's hot ids in the weights file: HOT + table -> int64 [H], ascending
+COLD = "cold_lookups."  # the counted lookups of a table's other rows: COLD + table -> int64 [1] (Fill's order)
 COUNTS_FORMAT = "dlrmkit-id-counts/1"
 Counts = dict[str, tuple[torch.Tensor, torch.Tensor]]  # table -> (ids int64 [N], times looked up int64 [N])
 Write = tuple[str, torch.Tensor, torch.Tensor]  # (table, ids, rows): dlrmkit.live's row writes
 _PAGE = mmap.PAGESIZE
+PREFETCH_MIN_BYTES = 256 << 20  # a table this large (its own rows) is prefetched and filled; smaller ones stay cached
 
 
 # --- counts ---------------------------------------------------------------------------------------
@@ -175,8 +177,9 @@ class HotIndex:
     tensor([10,  3, 11])
     """
 
-    def __init__(self, rows: Mapping[str, int], hot: Mapping[str, torch.Tensor]):
+    def __init__(self, rows: Mapping[str, int], hot: Mapping[str, torch.Tensor], cold: Mapping[str, int] | None = None):
         self.rows = dict(rows)
+        self.cold = dict(cold or {})  # table -> the counts' lookups outside its hot rows (the build's)
         self.hot = {t: h.to(torch.int64) for t, h in hot.items() if len(h)}
         # per table: a bit per row (hot or not) in 64-bit words, and the hot rows before each word
         self._rank: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -304,7 +307,8 @@ class Prefetch:
     own rows (the hot copies after them are warm already). The kernel's buffer is read at each call,
     so a live update's flip to another buffer is followed."""
 
-    def __init__(self, qebc, rows: Mapping[str, int], min_bytes: int = 256 << 20):
+    def __init__(self, qebc, rows: Mapping[str, int], min_bytes: int | None = None):
+        min_bytes = PREFETCH_MIN_BYTES if min_bytes is None else min_bytes
         self.tables: dict[str, tuple[object, int, int, int, int]] = {}
         self.asked: dict[str, int] = {}  # table -> pages asked for so far (Fill reads the busiest first)
         for tables, tbe in zip(qebc._key_to_tables.values(), qebc._emb_modules):
@@ -336,6 +340,7 @@ class Prefetch:
                         ctypes.c_void_p(page * _PAGE), ctypes.c_size_t(_PAGE), ctypes.c_int(mmap.MADV_WILLNEED)
                     )
                 asked += len(pages)
+                self.asked[key] = self.asked.get(key, 0) + len(pages)
             at += n
         return asked
 
@@ -365,7 +370,8 @@ def memory_room(meminfo: str | Path = "/proc/meminfo", cgroup: str | Path = "/sy
 class Fill:
     """Tables larger than memory: once the worker is ready, the rest of their rows is read into the
     page cache in the background, a chunk at a time in file order (plain sequential reads: the disk
-    streams them), the table whose pages the lookups asked for most per byte first, at most
+    streams them), the table with the most cold lookups per byte first (the build's counts,
+    ``cold``; without them the pages this worker's lookups asked for), at most
     ``rate`` bytes a second, until the memory left (``memory_room``) falls to ``floor``. Without it
     the cache fills one random page fault at a time (~16 MB a query at MLPerf's sizes). One worker
     of a machine fills (an flock on the weights file); the others share its page cache."""
@@ -378,8 +384,10 @@ class Fill:
         floor: int,
         chunk: int = 32 << 20,
         rate: int = 256 << 20,
+        cold: Mapping[str, int] | None = None,
     ):
         self.path, self.regions, self.prefetch = path, dict(regions), prefetch
+        self.cold = {t: n for t, n in (cold or {}).items() if t in self.regions}
         self.floor, self.chunk, self.rate = floor, chunk, rate
         self.read = 0
         self.order: list[str] = []  # the table of each chunk read, in order
@@ -414,7 +422,8 @@ class Fill:
                 if memory_room() < self.floor:
                     self.stopped_by = f"memory left at the floor ({self.floor / 2**30:.1f} GiB)"
                     break
-                table = max(left, key=lambda t: self.prefetch.asked.get(t, 0) / self.regions[t][1])
+                seen = self.cold or self.prefetch.asked
+                table = max(left, key=lambda t: seen.get(t, 0) / self.regions[t][1])
                 offset, length = self.regions[table]
                 n = min(self.chunk, length - done[table])
                 t0 = time.perf_counter()

@@ -18,7 +18,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dlrmkit.config import DLRMConfig
 from dlrmkit.errors import ConfigError
-from dlrmkit.hot import HOT, HotIndex
+from dlrmkit.hot import COLD, HOT, HotIndex
 from dlrmkit.scale import (
     DTYPES,
     EBC,
@@ -175,7 +175,9 @@ class DLRMFactory:
         state = cast(dict[str, torch.Tensor], _read(weights))
         keys = list(state) if isinstance(state, dict) else []
         hot = {k[len(HOT) :]: state.pop(k) for k in keys if isinstance(k, str) and k.startswith(HOT)}
-        index = HotIndex(dict(zip(self.config.sparse_features, self.config.num_embeddings)), hot) if hot else None
+        cold = {k[len(COLD) :]: int(state.pop(k).sum()) for k in keys if isinstance(k, str) and k.startswith(COLD)}
+        rows = dict(zip(self.config.sparse_features, self.config.num_embeddings))
+        index = HotIndex(rows, hot, cold) if hot else None
         home = torch.device("cpu") if sharded else devices[0]
         model = self.build("cpu", tables_on_meta=True)
         # On CPU the kernels take the archive's buffer as theirs: no zero-filled copy first.

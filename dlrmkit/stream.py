@@ -48,7 +48,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from dlrmkit.checkpoint import open_checkpoint, plan_import, say_ignored
 from dlrmkit.config import DLRMConfig
 from dlrmkit.errors import ConfigError, InternalError
-from dlrmkit.hot import HOT
+from dlrmkit.hot import COLD, HOT
 from dlrmkit.model import DLRMFactory
 from dlrmkit.scale import EBC, TABLES, fused_rows, load_read_only, table_bytes
 
@@ -281,7 +281,7 @@ class ModelSource:
         raise InternalError("ModelSource holds fused rows: write_weights reads fused()")
 
     def dense(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.state.items() if not k.startswith(EBC) and not k.startswith(HOT)}
+        return {k: v for k, v in self.state.items() if not k.startswith((EBC, HOT, COLD))}
 
 
 def _stored_rows(path: Path, offset: int, length: int):
@@ -425,6 +425,7 @@ def write_weights(
     log: Callable[[str], None] = print,
     every_s: float = 10.0,
     hot: Mapping[str, torch.Tensor] | None = None,
+    cold: Mapping[str, int] | None = None,
 ) -> dict:
     """Write the weights file ``DLRMFactory(config).load`` reads, table by table from
     ``source`` (``RandomSource`` or ``CheckpointSource``), in ``config.build.embedding_dtype``,
@@ -450,11 +451,13 @@ def write_weights(
     # The dense layers' shapes first (their values come from the source after the tables).
     skeleton = DLRMFactory(config).build("cpu", tables_on_meta=True).state_dict()
     dense_keys = [k for k in skeleton if not k.startswith(EBC)]
-    hot_keys = [f"{HOT}{t}" for t in hot]
+    cold_t = {t: torch.tensor([int(n)], dtype=torch.int64) for t, n in (cold or {}).items() if t in hot}
+    hot_keys = [f"{HOT}{t}" for t in hot] + [f"{COLD}{t}" for t in cold_t]
     state = {
         **views,
         **{k: torch.empty_like(skeleton[k], device="cpu") for k in dense_keys},
         **{f"{HOT}{t}": torch.empty_like(h) for t, h in hot.items()},
+        **{f"{COLD}{t}": torch.empty_like(n) for t, n in cold_t.items()},
     }
     with torch.serialization.skip_data(materialize_fake_tensors=True):
         torch.save(state, tmp)
@@ -511,6 +514,8 @@ def write_weights(
             _pwrite(fd, v.contiguous(), dense_at[k])
         for table, ids_hot in hot.items():
             _pwrite(fd, ids_hot.contiguous(), dense_at[f"{HOT}{table}"])
+        for table, n_cold in cold_t.items():
+            _pwrite(fd, n_cold, dense_at[f"{COLD}{table}"])
         os.fsync(fd)
     finally:
         os.close(fd)

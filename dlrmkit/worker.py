@@ -198,7 +198,7 @@ class Worker:
                 logger.info(
                     "prefetch: the pages of each forward's lookups in %s asked for at once", ", ".join(prefetch.tables)
                 )
-                self.fill = self._fill(prefetch)
+                self.fill = self._fill(prefetch, index.cold if index is not None else None)
         if index is not None and c.hot_rows and single and self.device.type == "cpu":
             qebc = model.get_submodule("sparse_arch.embedding_bag_collection")
             views = {k[len(TABLES) : -len(".weight")]: v for k, v in fused_tables(qebc).items()}
@@ -222,7 +222,7 @@ class Worker:
             self.counter = IdCounter(c.count_ids_dir, c.count_ids_every, worker=f"{self.model_id[0]}-{os.getpid()}")
 
     @staticmethod
-    def _fill(prefetch: Prefetch) -> Fill | None:
+    def _fill(prefetch: Prefetch, cold: Mapping[str, int] | None) -> Fill | None:
         """Tables larger than memory (mapped read-only): the reader of their other rows, started once
         the worker is ready, keeping max(1 GiB, a tenth of the machine's memory) free."""
         files = mapped_files()
@@ -237,7 +237,7 @@ class Worker:
         if not regions:
             return None
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return Fill(files[0][0], regions, prefetch, floor=max(1 << 30, total // 10))
+        return Fill(files[0][0], regions, prefetch, floor=max(1 << 30, total // 10), cold=cold)
 
     def _start_split_pool(self) -> None:
         """handler.split_rows: a large forward's parts run at once, on the pool's threads and this one."""

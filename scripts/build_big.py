@@ -105,14 +105,15 @@ def model_directory(out: Path, config_file: Path, model_name: str, version: str,
 
 
 def hot_rows(args, config) -> dict:
-    """Table -> hot ids (ascending) from ``--hot-counts`` within ``--hot-mib``; {} without counts."""
+    """Table -> hot ids (ascending) from ``--hot-counts`` within ``--hot-mib``, and table -> the counted
+    lookups outside them; ({}, {}) without counts."""
     import torch
 
     from dlrmkit import hot, stream
 
     if not args.hot_counts:
         print("[build] no --hot-counts: rows stay in id order (unpacked; docs/scale.md)", flush=True)
-        return {}
+        return {}, {}
     if args.hot_mib <= 0:
         from dlrmkit.errors import ConfigError
 
@@ -123,15 +124,17 @@ def hot_rows(args, config) -> dict:
     n = sum(len(h) for h in chosen.values())
     total = sum(int(c.sum()) for _, c in counts.values())
     covered = 0
-    for t, h in chosen.items():
-        ids, c = counts[t]
-        covered += int(c[torch.isin(ids, h)].sum())
+    cold = {}
+    for t, (ids, c) in counts.items():
+        inside = int(c[torch.isin(ids, chosen[t])].sum()) if t in chosen else 0
+        covered += inside
+        cold[t] = int(c.sum()) - inside
     print(
         f"[build] hot rows: {n:,} rows of {len(chosen)} tables ({n * stream.row_bytes(config) / 2**20:.1f} MiB), "
         f"{covered / max(total, 1):.1%} of the {total:,} counted lookups",
         flush=True,
     )
-    return chosen
+    return chosen, cold
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -204,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
         config = config.with_changes(
             num_embeddings=tuple(rows), embedding_dtype=args.dtype or config.build.embedding_dtype
         )
-        hot = hot_rows(args, config)
+        hot, cold = hot_rows(args, config)
         need = stream.file_bytes(config, {t: len(h) for t, h in hot.items()})
         print(
             f"[build] {out}: {sum(rows):,} rows, {config.build.embedding_dtype}: needs {need / 2**30:.2f} GiB of disk",
@@ -234,6 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
             chunk_bytes=args.chunk_mib << 20,
             log=lambda m: print(m, flush=True),
             hot=hot,
+            cold=cold,
         )
     except ConfigError as e:
         sys.exit(f"error: {e}")

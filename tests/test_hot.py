@@ -565,6 +565,9 @@ def test_fill_reads_the_busiest_table_first_until_the_floor_and_one_worker_fills
     assert fill.wait(30)
     assert fill.read == 5 << 20 and fill.stopped_by == "every table read"
     assert fill.order == ["b", "b", "b", "a", "a"]  # b: asked for most per byte
+    counted = hot.Fill(str(path), regions, Asked(), floor=0, chunk=1 << 20, rate=1 << 40, cold={"a": 100, "b": 1})
+    counted.start()
+    assert counted.wait(30) and counted.order == ["a", "a", "b", "b", "b"]  # the build's counts decide
     full = hot.Fill(str(path), regions, Asked(), floor=1 << 60)
     full.start()
     assert full.wait(30) and full.read == 0 and full.stopped_by.startswith("memory left at the floor")
@@ -579,3 +582,72 @@ def test_fill_reads_the_busiest_table_first_until_the_floor_and_one_worker_fills
         assert other.wait(30) and other.read == 0 and other.stopped_by == "another worker fills"
     finally:
         os.close(fd)
+
+
+def test_a_worker_of_tables_larger_than_memory_locks_prefetches_and_fills(tmp_path, monkeypatch):
+    """The read-only path (forced as tests/test_delta.py forces it): the hot rows locked (root) or
+    the reason said, the large table's pages prefetched and its rows read into the cache once the
+    worker is ready, the scores those of the unpacked model."""
+    import os
+
+    from scripts import build_big
+
+    from dlrmkit import scale
+    from dlrmkit.protocols import open_request
+    from dlrmkit.worker import Worker, read_model_dir
+
+    rows_big = [40_000, 30, 40]
+    config = tiny_config(num_embeddings=rows_big)
+    hot.write_counts(tmp_path / "counts.pt", counts_of(config, skewed_batch(config, n=256, seed=2)[1]))
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"handler": {**TINY, "num_embeddings": rows_big}}))
+    packed = tmp_path / "store" / "packed"
+    build_big.main(
+        ["--config", str(cfg), "--dtype", "int8", "--out", str(packed), "--hot-counts", str(tmp_path / "counts.pt")]
+    )
+    real_load = torch.load
+
+    def refuse(f, *a, **kw):
+        if kw.get("mmap"):
+            raise RuntimeError(
+                f"unable to mmap {os.path.getsize(f)} bytes from file <{f}>: Cannot allocate memory (12)"
+            )
+        return real_load(f, *a, **kw)
+
+    monkeypatch.setattr(torch, "load", refuse)
+    monkeypatch.setattr(hot, "memory_room", lambda: 1 << 50)  # whatever this machine's cache holds now
+    monkeypatch.setattr(hot, "PREFETCH_MIN_BYTES", 256 << 10)  # feature_0: 40,000 rows x 16 bytes
+    monkeypatch.setattr(scale, "_MAPPINGS", [])
+    monkeypatch.setattr(scale, "_MAPPED", [])
+    w = Worker()
+    w.load(packed, *read_model_dir(packed))
+    try:
+        assert scale.mapped_read_only() and w.hot is not None and w.warmed is not None
+        assert w.warmed["locked"] or "RLIMIT_MEMLOCK" in w.warmed["why_not_locked"]
+        assert w.prefetch is not None and list(w.prefetch.tables) == ["feature_0"]
+        assert w.fill is not None and w.fill.wait(30)
+        assert w.fill.stopped_by == "every table read" and w.fill.read == 40_000 * 16
+        dense, kjt = skewed_batch(config, n=4, seed=1)
+        feats = kjt.to_dict()
+        bodies = []
+        for r in range(4):
+            sparse = {"keys": [], "values": [], "lengths": []}
+            for name in config.sparse_features:
+                v = feats[name]
+                ids = v.values()[v.offsets()[r] : v.offsets()[r + 1]].tolist()
+                sparse["keys"].append(name)
+                sparse["values"].extend(ids)
+                sparse["lengths"].append(len(ids))
+            bodies.append({"dense": dense[r].tolist(), "sparse": sparse})
+        data, _ = w.score([open_request(b, False, None, w.parser, w.model_id, "application/json") for b in bodies])
+        assert not data.errors and w.prefetch.asked.get("feature_0", 0) > 0, (w.prefetch.asked, bodies[0])
+        plain = DLRMFactory(config.with_changes(embedding_dtype="int8"))
+        monkeypatch.undo()
+        model = plain.load(packed / "dlrm.pt")
+        from dlrmkit.batch import collate, scores
+
+        want = [scores(model, collate([w.parser.parse(b)], w.config)[0], w.config)[0] for b in bodies]
+        # the worker's own threads and frozen dense half: equal to float rounding
+        assert max(abs(a - b) for i in range(4) for a, b in zip(data.scores[i], want[i])) < 1e-6
+    finally:
+        w.close()
