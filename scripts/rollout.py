@@ -4,6 +4,7 @@
     python scripts/rollout.py                          # build version N+1 from model-config.yaml, roll out
     python scripts/rollout.py --checkpoint trained.pt  # the same, with your trained weights
     python scripts/rollout.py --archive dlrm-v7.mar    # roll out an archive already in the model store
+    python scripts/rollout.py --model big --archive big-v2   # or a model directory (build_big.py --repack)
     python scripts/rollout.py --rollback               # back to the version before the last rollout
 
 Steps, each checked before the next: build -> register (the old version keeps serving) ->
@@ -228,10 +229,14 @@ class Rollout:
 
 
 def archive_version(path: Path, model: str) -> str:
-    """The version in an archive's manifest; its model name must be ``model``."""
+    """The version in an archive's manifest (a .mar, or a model directory that scripts/build_big.py
+    wrote); its model name must be ``model``."""
     try:
-        with zipfile.ZipFile(path) as z:
-            manifest = json.loads(z.read("MAR-INF/MANIFEST.json"))["model"]
+        if path.is_dir():
+            manifest = json.loads((path / "MAR-INF" / "MANIFEST.json").read_text())["model"]
+        else:
+            with zipfile.ZipFile(path) as z:
+                manifest = json.loads(z.read("MAR-INF/MANIFEST.json"))["model"]
     except (OSError, KeyError, ValueError, zipfile.BadZipFile) as e:
         raise RolloutError(f"{path}: not a model archive ({e})") from None
     if manifest.get("modelName") != model:
@@ -309,7 +314,11 @@ def main(argv: list[str] | None = None) -> int:
         "training data for static activation scales (build_mar.py --calibrate)",
     )
     ap.add_argument("--version", help="version to build (default: the serving version's major + 1, e.g. 1.0 -> 2.0)")
-    ap.add_argument("--archive", help="roll out this archive (a .mar in the model store) instead of building one")
+    ap.add_argument(
+        "--archive",
+        help="roll out this archive (a .mar or a scripts/build_big.py model directory in the model store) "
+        "instead of building one",
+    )
     ap.add_argument("--rollback", action="store_true", help="return to the version before the last rollout")
     ap.add_argument(
         "--sample",
@@ -348,8 +357,10 @@ def main(argv: list[str] | None = None) -> int:
             say(f"rollback to {args.model} {version} ({archive})")
         elif args.archive:
             archive = args.archive
-            if "/" in archive or not (store / archive).is_file():
-                raise RolloutError(f"--archive: expected the name of a .mar in {store}, got {archive!r}")
+            if "/" in archive or not (store / archive).exists():
+                raise RolloutError(
+                    f"--archive: expected the name of a .mar or a model directory in {store}, got {archive!r}"
+                )
             version = archive_version(store / archive, args.model)
         else:
             version = args.version or next_version(ro.default()["modelVersion"])

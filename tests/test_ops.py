@@ -175,6 +175,12 @@ def test_archive_version_reads_the_manifest(tmp_path):
     (tmp_path / "junk.mar").write_bytes(b"junk")
     with pytest.raises(RolloutError, match="not a model archive"):
         archive_version(tmp_path / "junk.mar", "dlrm")
+    big = tmp_path / "big-v2" / "MAR-INF"  # a scripts/build_big.py model directory (--repack writes one)
+    big.mkdir(parents=True)
+    (big / "MANIFEST.json").write_text(json.dumps({"model": {"modelName": "big", "modelVersion": "2.0"}}))
+    assert archive_version(tmp_path / "big-v2", "big") == "2.0"
+    with pytest.raises(RolloutError, match="not a model archive"):
+        archive_version(tmp_path, "big")
 
 
 def test_scripts_say_when_no_server_was_started(tmp_path, capsys):
