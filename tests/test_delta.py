@@ -27,7 +27,7 @@ from dlrmkit.live import (
 from dlrmkit.config import DLRMConfig
 from dlrmkit.errors import ConfigError
 from dlrmkit.scale import EBC, TABLES, fused_rows, fused_tables
-from helpers import archive, batch, forward
+from helpers import refuse_mmap, archive, batch, forward
 
 DTYPES = ("fp32", "fp16", "int8", "int4")
 TABLE = TABLES + "{}.weight"
@@ -457,16 +457,7 @@ def test_tables_mapped_read_only_take_deltas_into_the_shared_sides(tmp_path, mon
     before = base_version(path)
     factory = DLRMFactory(config)
     private = factory.load(path)
-    real_load = torch.load
-
-    def refuse(f, *a, **kw):
-        if kw.get("mmap"):
-            raise RuntimeError(
-                f"unable to mmap {os.path.getsize(f)} bytes from file <{f}>: Cannot allocate memory (12)"
-            )
-        return real_load(f, *a, **kw)
-
-    monkeypatch.setattr(torch, "load", refuse)
+    refuse_mmap(monkeypatch)
     mapped = factory.load(path)
     monkeypatch.undo()
     target = target_for(config, factory, "dlrm", before)

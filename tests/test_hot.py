@@ -15,6 +15,7 @@ from dlrmkit import hot, stream
 from dlrmkit.errors import ConfigError
 from dlrmkit.model import DLRMFactory
 from dlrmkit.scale import TABLES, fused_tables
+from helpers import refuse_mmap
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 DTYPES = ["fp32", "fp16", "int8", "int4"]
@@ -35,6 +36,22 @@ def skewed_batch(config, n=96, seed=5):
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     return dense, KeyedJaggedTensor(keys=list(config.sparse_features), values=torch.cat(values), lengths=lengths)
+
+
+def bodies_of(config, dense, kjt) -> list[dict]:
+    """The rows of (dense, kjt) as the kit's seed requests, one a row."""
+    feats = kjt.to_dict()
+    bodies = []
+    for r in range(dense.shape[0]):
+        sparse: dict[str, list] = {"keys": [], "values": [], "lengths": []}
+        for name in config.sparse_features:
+            v = feats[name]
+            ids = v.values()[v.offsets()[r] : v.offsets()[r + 1]].tolist()
+            sparse["keys"].append(name)
+            sparse["values"].extend(ids)
+            sparse["lengths"].append(len(ids))
+        bodies.append({"dense": dense[r].tolist(), "sparse": sparse})
+    return bodies
 
 
 def counts_of(config, kjt) -> hot.Counts:
@@ -189,17 +206,7 @@ def test_build_big_packs_from_counts_and_the_worker_serves_it_warm(tmp_path):
         )
 
     dense, kjt = skewed_batch(config, n=8, seed=11)
-    feats = kjt.to_dict()
-    bodies = []
-    for r in range(8):
-        sparse = {"keys": [], "values": [], "lengths": []}
-        for name in config.sparse_features:
-            v = feats[name]
-            ids = v.values()[v.offsets()[r] : v.offsets()[r + 1]].tolist()
-            sparse["keys"].append(name)
-            sparse["values"].extend(ids)
-            sparse["lengths"].append(len(ids))
-        bodies.append({"dense": dense[r].tolist(), "sparse": sparse})
+    bodies = bodies_of(config, dense, kjt)
     answers = {}
     for name, where in (("packed", packed), ("plain", plain)):
         w = Worker()
@@ -591,7 +598,6 @@ def test_a_worker_of_tables_larger_than_memory_locks_prefetches_and_fills(tmp_pa
     """The read-only path (forced as tests/test_delta.py forces it): the hot rows locked (root) or
     the reason said, the large table's pages prefetched and its rows read into the cache once the
     worker is ready, the scores those of the unpacked model."""
-    import os
 
     from scripts import build_big
 
@@ -608,16 +614,7 @@ def test_a_worker_of_tables_larger_than_memory_locks_prefetches_and_fills(tmp_pa
     build_big.main(
         ["--config", str(cfg), "--dtype", "int8", "--out", str(packed), "--hot-counts", str(tmp_path / "counts.pt")]
     )
-    real_load = torch.load
-
-    def refuse(f, *a, **kw):
-        if kw.get("mmap"):
-            raise RuntimeError(
-                f"unable to mmap {os.path.getsize(f)} bytes from file <{f}>: Cannot allocate memory (12)"
-            )
-        return real_load(f, *a, **kw)
-
-    monkeypatch.setattr(torch, "load", refuse)
+    refuse_mmap(monkeypatch)
     monkeypatch.setattr(hot, "memory_room", lambda: 1 << 50)  # whatever this machine's cache holds now
     monkeypatch.setattr(hot, "PREFETCH_MIN_BYTES", 256 << 10)  # feature_0: 40,000 rows x 16 bytes
     monkeypatch.setattr(scale, "_MAPPINGS", [])
@@ -631,17 +628,7 @@ def test_a_worker_of_tables_larger_than_memory_locks_prefetches_and_fills(tmp_pa
         assert w.fill is not None and w.fill.wait(30)
         assert w.fill.stopped_by == "every table read" and w.fill.read == 40_000 * 16
         dense, kjt = skewed_batch(config, n=4, seed=1)
-        feats = kjt.to_dict()
-        bodies = []
-        for r in range(4):
-            sparse = {"keys": [], "values": [], "lengths": []}
-            for name in config.sparse_features:
-                v = feats[name]
-                ids = v.values()[v.offsets()[r] : v.offsets()[r + 1]].tolist()
-                sparse["keys"].append(name)
-                sparse["values"].extend(ids)
-                sparse["lengths"].append(len(ids))
-            bodies.append({"dense": dense[r].tolist(), "sparse": sparse})
+        bodies = bodies_of(config, dense, kjt)
         data, _ = w.score([open_request(b, False, None, w.parser, w.model_id, "application/json") for b in bodies])
         assert not data.errors and w.prefetch.asked.get("feature_0", 0) > 0, (w.prefetch.asked, bodies[0])
         plain = DLRMFactory(config.with_changes(embedding_dtype="int8"))

@@ -17,7 +17,7 @@ from dlrmkit.checkpoint import import_checkpoint
 from dlrmkit.errors import ConfigError
 from dlrmkit.model import DLRMFactory
 from dlrmkit.scale import fused_tables, quant_ebc
-from helpers import batch
+from helpers import refuse_mmap, batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 DTYPES = ["fp32", "fp16", "int8", "int4"]
@@ -237,16 +237,7 @@ def test_a_file_the_commit_limit_refuses_to_map_privately_loads_read_only(tmp_pa
     dense, kjt = batch(64)
     with torch.no_grad():
         want = DLRMFactory(config).load(path)(dense, kjt)
-    real_load = torch.load
-
-    def refuse(f, *a, **kw):
-        if kw.get("mmap"):
-            raise RuntimeError(
-                f"unable to mmap {os.path.getsize(f)} bytes from file <{f}>: Cannot allocate memory (12)"
-            )
-        return real_load(f, *a, **kw)
-
-    monkeypatch.setattr(torch, "load", refuse)
+    refuse_mmap(monkeypatch)
     model = DLRMFactory(config).load(path)
     with torch.no_grad():
         assert torch.equal(model(dense, kjt), want)
