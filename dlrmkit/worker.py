@@ -41,6 +41,7 @@ from dlrmkit.config import DLRMConfig
 from dlrmkit.cpus import available_cpus, split_parts, torch_threads
 from dlrmkit.errors import BadRequest, ConfigError, OutOfMemory, RequestError, ServerError
 from dlrmkit.forms import RequestParser
+from dlrmkit import hot as hot_module
 from dlrmkit.hot import Fill, HotIndex, IdCounter, Prefetch, warm
 from dlrmkit.live import DeltaApplier, start_watcher
 from dlrmkit.live.applier import Emit
@@ -103,6 +104,7 @@ class Worker:
     split_parts = 1  # the most parts one forward runs as
     hot: HotIndex | None = None  # a packed model's hot rows, where lookups are redirected (handler.hot_rows)
     warmed: dict | None = None  # what warming the hot rows did (bytes, seconds, locked)
+    small: dict | None = None  # tables larger than memory: what warming the small tables whole did
     counter: IdCounter | None = None  # with handler.count_ids_dir: counts the looked-up ids
     prefetch: Prefetch | None = None  # handler.prefetch: the pages of a forward's lookups asked for at once
     fill: Fill | None = None  # handler.prefetch, tables larger than memory: the rest read into the cache once ready
@@ -203,6 +205,23 @@ class Worker:
             qebc = model.get_submodule("sparse_arch.embedding_bag_collection")
             views = {k[len(TABLES) : -len(".weight")]: v for k, v in fused_tables(qebc).items()}
             self.hot, self.warmed = index, warm(index.regions(views), lock=mapped_read_only())
+            if mapped_read_only():
+                # tables larger than memory: the tables too small to prefetch are read and locked whole
+                # (else cold pages evict them and every query faults a few of their pages back in)
+                small = [
+                    v[: index.rows[t]]
+                    for t, v in views.items()
+                    if index.rows[t] * v.stride(0) < hot_module.PREFETCH_MIN_BYTES
+                ]
+                self.small = warm(small, lock=True)
+                logger.info(
+                    "small tables: %d tables under %d MiB read whole (%.1f MiB) in %.2f s, %s",
+                    len(small),
+                    hot_module.PREFETCH_MIN_BYTES >> 20,
+                    self.small["bytes"] / 2**20,
+                    self.small["seconds"],
+                    "locked in memory" if self.small["locked"] else f"not locked: {self.small['why_not_locked']}",
+                )
             logger.info(
                 "hot rows: %d rows (%.1f MiB) of %d tables, read in %.2f s, %s",
                 len(index),

@@ -625,6 +625,7 @@ def test_a_worker_of_tables_larger_than_memory_locks_prefetches_and_fills(tmp_pa
         assert scale.mapped_read_only() and w.hot is not None and w.warmed is not None
         assert w.warmed["locked"] or "RLIMIT_MEMLOCK" in w.warmed["why_not_locked"]
         assert w.prefetch is not None and list(w.prefetch.tables) == ["feature_0"]
+        assert w.small is not None and w.small["bytes"] > 0  # feature_1 and feature_2 read whole
         assert w.fill is not None and w.fill.wait(30)
         assert w.fill.stopped_by == "every table read" and w.fill.read == 40_000 * 16
         dense, kjt = skewed_batch(config, n=4, seed=1)
