@@ -324,7 +324,6 @@ def worker_devices(
 
 
 _MAPPINGS: list = []  # read-only mappings handed to torch: alive as long as the worker
-_MAPPED: list[tuple[str, int, int]] = []  # (path, address, bytes) of each read-only mapping
 
 
 def mapped_read_only() -> bool:
@@ -333,9 +332,18 @@ def mapped_read_only() -> bool:
     return bool(_MAPPINGS)
 
 
-def mapped_files() -> list[tuple[str, int, int]]:
-    """(path, address, bytes) of every file this process mapped read-only (``load_read_only``)."""
-    return list(_MAPPED)
+def file_mappings(path: str | os.PathLike, maps: str | os.PathLike = "/proc/self/maps") -> list[tuple[int, int, int]]:
+    """(start, end, file offset) of every mapping of ``path`` in this process (``torch.load(mmap=True)``'s
+    copy-on-write one or ``load_read_only``'s): where a table's bytes lie in the file."""
+    want = os.path.realpath(path)
+    out = []
+    with open(maps) as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].rstrip("\n") == want:  # the kernel writes the resolved path
+                start, end = (int(x, 16) for x in parts[0].split("-"))
+                out.append((start, end, int(parts[2], 16)))
+    return out
 
 
 def load_read_only(path: str | os.PathLike, random_access: bool = True) -> dict:
@@ -356,6 +364,5 @@ def load_read_only(path: str | os.PathLike, random_access: bool = True) -> dict:
     with warnings.catch_warnings():  # "The given buffer is not writable": that is the point
         warnings.simplefilter("ignore", UserWarning)
         storage = torch.frombuffer(mapped, dtype=torch.uint8).untyped_storage()
-    _MAPPED.append((os.fspath(path), storage.data_ptr(), storage.nbytes()))
     with _open_zipfile_reader(os.fspath(path)) as zip_file:
         return _load(zip_file, "cpu", _weights_only_unpickler, overall_storage=storage, encoding="utf-8")

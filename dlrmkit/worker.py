@@ -48,7 +48,7 @@ from dlrmkit.live.applier import Emit
 from dlrmkit.model import DLRMFactory
 from dlrmkit.protocols import Reply
 from dlrmkit.request import ParsedRequest
-from dlrmkit.scale import TABLES, fused_tables, mapped_files, mapped_read_only, worker_devices
+from dlrmkit.scale import TABLES, file_mappings, fused_tables, mapped_read_only, worker_devices
 
 logger = logging.getLogger(__name__)
 
@@ -180,12 +180,12 @@ class Worker:
         factory = DLRMFactory(self.config)
         model_dir = os.path.dirname(weights)
         loaded = factory.load(weights, devices)
-        self._hot_rows(loaded, single=len(devices) == 1)
+        self._hot_rows(loaded, weights, single=len(devices) == 1)
         self.model, dense = dense_half.prepare(loaded, self.config, model_dir, devices)
         frozen = factory.freeze_dense(self.model) if len(devices) == 1 and dense.startswith("fp32") else []
         return dense, frozen
 
-    def _hot_rows(self, model: torch.nn.Module, single: bool) -> None:
+    def _hot_rows(self, model: torch.nn.Module, weights: str, single: bool) -> None:
         """A packed model (dlrmkit/hot.py): its hot rows read into the page cache (and locked where the
         process may) before the worker reports ready; lookups redirected to them (handler.hot_rows).
         handler.count_ids_dir: the counter of looked-up ids started. handler.prefetch: tables of 256 MiB
@@ -200,7 +200,7 @@ class Worker:
                 logger.info(
                     "prefetch: the pages of each forward's lookups in %s asked for at once", ", ".join(prefetch.tables)
                 )
-                self.fill = self._fill(prefetch, index.cold if index is not None else None)
+                self.fill = self._fill(weights, prefetch, index.cold if index is not None else None)
         if index is not None and c.hot_rows and single and self.device.type == "cpu":
             qebc = model.get_submodule("sparse_arch.embedding_bag_collection")
             views = {k[len(TABLES) : -len(".weight")]: v for k, v in fused_tables(qebc).items()}
@@ -241,22 +241,21 @@ class Worker:
             self.counter = IdCounter(c.count_ids_dir, c.count_ids_every, worker=f"{self.model_id[0]}-{os.getpid()}")
 
     @staticmethod
-    def _fill(prefetch: Prefetch, cold: Mapping[str, int] | None) -> Fill | None:
-        """Tables larger than memory (mapped read-only): the reader of their other rows, started once
-        the worker is ready, keeping max(1 GiB, a tenth of the machine's memory) free."""
-        files = mapped_files()
-        if not files:
-            return None
+    def _fill(weights: str, prefetch: Prefetch, cold: Mapping[str, int] | None) -> Fill | None:
+        """The reader of the prefetched tables' other rows, started once the worker is ready, keeping
+        max(1 GiB, a tenth of the machine's memory) free; None when the tables are not mapped from
+        ``weights`` (copied onto a device)."""
+        maps = file_mappings(weights)
         regions = {}
         for table, (tbe, offset, stride, _, own) in prefetch.tables.items():
             at = tbe.weights_host.data_ptr() + offset  # type: ignore[attr-defined]  # fbgemm's kernel
-            for _path, base, size in files:
-                if base <= at < base + size:
-                    regions[table] = (at - base, own * stride)
+            for start, end, file_offset in maps:
+                if start <= at < end:
+                    regions[table] = (at - start + file_offset, own * stride)
         if not regions:
             return None
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return Fill(files[0][0], regions, prefetch, floor=max(1 << 30, total // 10), cold=cold)
+        return Fill(weights, regions, prefetch, floor=max(1 << 30, total // 10), cold=cold)
 
     def _start_split_pool(self) -> None:
         """handler.split_rows: a large forward's parts run at once, on the pool's threads and this one."""

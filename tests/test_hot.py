@@ -618,7 +618,6 @@ def test_a_worker_of_tables_larger_than_memory_locks_prefetches_and_fills(tmp_pa
     monkeypatch.setattr(hot, "memory_room", lambda: 1 << 50)  # whatever this machine's cache holds now
     monkeypatch.setattr(hot, "PREFETCH_MIN_BYTES", 256 << 10)  # feature_0: 40,000 rows x 16 bytes
     monkeypatch.setattr(scale, "_MAPPINGS", [])
-    monkeypatch.setattr(scale, "_MAPPED", [])
     w = Worker()
     w.load(packed, *read_model_dir(packed))
     try:
@@ -642,3 +641,16 @@ def test_a_worker_of_tables_larger_than_memory_locks_prefetches_and_fills(tmp_pa
         assert max(abs(a - b) for i in range(4) for a, b in zip(data.scores[i], want[i])) < 1e-6
     finally:
         w.close()
+
+
+def test_file_mappings_say_where_a_mapped_tensor_lies_in_its_file(tmp_path):
+    from dlrmkit.scale import file_mappings
+
+    path = tmp_path / "w.pt"
+    torch.save({"t": torch.arange(100_000, dtype=torch.int64)}, path)
+    t = torch.load(path, mmap=True, weights_only=True)["t"]  # torch's copy-on-write mapping
+    (start, end, offset), *_ = [m for m in file_mappings(path) if m[0] <= t.data_ptr() < m[1]]
+    at = t.data_ptr() - start + offset
+    with open(path, "rb") as f:
+        f.seek(at + 8 * 777)
+        assert int.from_bytes(f.read(8), "little") == 777
