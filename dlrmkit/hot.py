@@ -205,13 +205,13 @@ class HotIndex:
         if table not in self._rank or not len(ids):
             return ids
         words, before = self._rank[table]
-        i = ids.numpy()
+        i = ids.detach().cpu().numpy()  # the ids of a batch on a GPU come back to it below
         word = i >> 6
         bits = words[word]
         shift = (i & 63).astype(np.uint64)
         hit = ((bits >> shift) & np.uint64(1)).astype(bool)
         slot = before[word] + np.bitwise_count(bits & ((np.uint64(1) << shift) - np.uint64(1)))
-        return torch.from_numpy(np.where(hit, self.rows[table] + slot, i))
+        return torch.from_numpy(np.where(hit, self.rows[table] + slot, i)).to(ids.device)
 
     def redirect(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """The batch with every hot id pointing at its copy (keys are tables: one per feature)."""
