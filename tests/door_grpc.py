@@ -21,18 +21,11 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from test_kserve_server import DENSE_ROWS  # the TorchServe door's two rows (run with tests/ on PYTHONPATH)
-
-TENSORS = {  # the two rows as v2 tensors: feature_0 and feature_1 multi-hot, feature_2 as one bag each
-    "dense": DENSE_ROWS,
-    "feature_0.lengths": np.array([2, 1]),
-    "feature_0.values": np.array([3, 4, 5]),
-    "feature_1.lengths": np.array([1, 0], np.int32),
-    "feature_1.values": np.array([7], np.int32),
-    "feature_2.lengths": np.array([0, 1]),
-    "feature_2.values": np.array([1]),
-}
-DTYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64"}
+from test_kserve_server import (
+    DENSE_ROWS,
+    DTYPES,
+    TENSORS,
+)  # the TorchServe door's two rows (run with tests/ on PYTHONPATH)
 
 
 def raw(port: int, tensors=TENSORS):

@@ -19,7 +19,7 @@ import yaml
 from conftest import ROOT, TINY
 from helpers import instance
 from scripts.tsctl import free_port, get, request
-from test_kserve_server import DENSE_ROWS, ROWS, V2_JSON, rest  # the TorchServe door's rows and its REST call
+from test_kserve_server import DTYPES, ROWS, TENSORS, V2_JSON, dense_binary, rest  # the TorchServe door's
 
 pytestmark = pytest.mark.integration
 
@@ -91,18 +91,6 @@ def door(tmp_path_factory):
             proc.kill()
             proc.wait()
     assert proc.returncode is not None
-
-
-TENSORS = {  # the two rows of ROWS as v2 tensors: feature_0 and feature_1 multi-hot, feature_2 as one bag each
-    "dense": DENSE_ROWS,
-    "feature_0.lengths": np.array([2, 1]),
-    "feature_0.values": np.array([3, 4, 5]),
-    "feature_1.lengths": np.array([1, 0], np.int32),
-    "feature_1.values": np.array([7], np.int32),
-    "feature_2.lengths": np.array([0, 1]),
-    "feature_2.values": np.array([1]),
-}
-DTYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64"}
 
 
 def triton_http(srv, binary: bool, tensors=TENSORS):
@@ -181,21 +169,7 @@ def test_every_form_scores_as_the_in_process_reference(door, reference):
 def test_binary_v2_answer_is_the_kits_layout(door):
     """A binary request asking for a binary answer gets the TorchServe door's exact layout: JSON header,
     then the raw little-endian scores, its length in Inference-Header-Content-Length."""
-    raw = DENSE_ROWS.astype("<f4").tobytes()
-    header = json.dumps(
-        {
-            "inputs": [
-                {"name": "dense", "datatype": "FP32", "shape": [2, 5], "parameters": {"binary_data_size": len(raw)}}
-            ],
-            "parameters": {"binary_data_output": True},
-        }
-    ).encode()
-    status, body, hdrs = rest(
-        door,
-        "/v2/models/dlrm/infer",
-        header + raw,
-        {"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"},
-    )
+    status, body, hdrs = dense_binary(door, binary_output=True)
     n = int(hdrs["inference-header-content-length"])
     assert status == 200 and hdrs["content-type"] == "application/octet-stream", body
     assert json.loads(body[:n]) == {

@@ -23,6 +23,16 @@ pytestmark = pytest.mark.integration
 
 BATCH_DELAY_MS = 1500  # long: a burst of concurrent requests lands in one batch
 DENSE_ROWS = np.array([[0.5, -1.0, 0.25, 2.0, 0.0], [1.0, 0.0, -0.5, 0.125, 3.0]], dtype=np.float32)
+TENSORS = {  # the two rows as v2 tensors: feature_0 and feature_1 multi-hot, feature_2 as one bag each
+    "dense": DENSE_ROWS,
+    "feature_0.lengths": np.array([2, 1]),
+    "feature_0.values": np.array([3, 4, 5]),
+    "feature_1.lengths": np.array([1, 0], np.int32),
+    "feature_1.values": np.array([7], np.int32),
+    "feature_2.lengths": np.array([0, 1]),
+    "feature_2.values": np.array([1]),
+}
+DTYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64"}  # v2 datatypes
 # The same two rows per protocol: row 0 {f0: [3, 4], f1: [7]}, row 1 {f0: [5], f2: [1]}.
 ROWS = [
     instance(DENSE_ROWS[0].tolist(), feature_0=[3, 4], feature_1=[7]),
@@ -304,31 +314,29 @@ def test_malformed_requests_of_each_protocol_get_their_own_errors(server, grpc_s
     assert status == 200 and len(json.loads(raw)["predictions"]) == 2
 
 
-def test_binary_answer_only_when_asked(server, reference):
-    """A v2 body with binary inputs but no binary output request gets JSON scores back."""
+def dense_binary(srv, binary_output: bool):
+    """POST the two rows' dense features as one OIP v2 binary tensor (JSON header, then the raw
+    little-endian floats), asking for a binary answer or not: (status, body, lower-cased headers)."""
     raw = DENSE_ROWS.astype("<f4").tobytes()
-    header = json.dumps(
-        {
-            "inputs": [
-                {"name": "dense", "datatype": "FP32", "shape": [2, 5], "parameters": {"binary_data_size": len(raw)}}
-            ]
-        }
-    ).encode()
-    status, body, hdrs = rest(
-        server,
+    inputs = [{"name": "dense", "datatype": "FP32", "shape": [2, 5], "parameters": {"binary_data_size": len(raw)}}]
+    doc: dict = {"inputs": inputs}
+    if binary_output:
+        doc["parameters"] = {"binary_data_output": True}
+    header = json.dumps(doc).encode()
+    return rest(
+        srv,
         "/v2/models/dlrm/infer",
         header + raw,
         {"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"},
     )
+
+
+def test_binary_answer_only_when_asked(server, reference):
+    """A v2 body with binary inputs but no binary output request gets JSON scores back."""
+    status, body, hdrs = dense_binary(server, binary_output=False)
     assert status == 200 and hdrs["content-type"] == "application/json", body
     assert json.loads(body)["outputs"][0]["shape"] == [2, 1]
-    header2 = json.dumps({"inputs": json.loads(header)["inputs"], "parameters": {"binary_data_output": True}}).encode()
-    status, body, hdrs = rest(
-        server,
-        "/v2/models/dlrm/infer",
-        header2 + raw,
-        {"Inference-Header-Content-Length": str(len(header2)), "Content-Type": "application/octet-stream"},
-    )
+    status, body, hdrs = dense_binary(server, binary_output=True)
     n = int(hdrs["inference-header-content-length"])
     assert status == 200 and hdrs["content-type"] == "application/octet-stream"
     assert np.frombuffer(body[n:], "<f4").shape == (2,)
