@@ -271,6 +271,17 @@ def warm(regions: Sequence[torch.Tensor], lock: bool) -> dict:
     return result
 
 
+def lock_said(result: dict) -> str:
+    """What ``warm`` did about the lock, for the worker's log line."""
+    return "locked in memory" if result["locked"] else f"not locked: {result['why_not_locked']}"
+
+
+def small_tables(views: Mapping[str, torch.Tensor], rows: Mapping[str, int]) -> list[torch.Tensor]:
+    """The own rows of every table under ``PREFETCH_MIN_BYTES`` (table -> its kernel rows): the
+    tables neither prefetched nor filled, which a worker of tables larger than memory warms whole."""
+    return [v[: rows[t]] for t, v in views.items() if rows[t] * v.stride(0) < PREFETCH_MIN_BYTES]
+
+
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 

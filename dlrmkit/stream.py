@@ -451,20 +451,22 @@ def write_weights(
     # The dense layers' shapes first (their values come from the source after the tables).
     skeleton = DLRMFactory(config).build("cpu", tables_on_meta=True).state_dict()
     dense_keys = [k for k in skeleton if not k.startswith(EBC)]
-    cold_t = {t: torch.tensor([int(n)], dtype=torch.int64) for t, n in (cold or {}).items() if t in hot}
-    hot_keys = [f"{HOT}{t}" for t in hot] + [f"{COLD}{t}" for t in cold_t]
+    # a packed model's hot ids and cold lookups per table, written after the dense layers
+    extra = {
+        **{f"{HOT}{t}": h.contiguous() for t, h in hot.items()},
+        **{f"{COLD}{t}": torch.tensor([int(n)]) for t, n in (cold or {}).items() if t in hot},
+    }
     state = {
         **views,
         **{k: torch.empty_like(skeleton[k], device="cpu") for k in dense_keys},
-        **{f"{HOT}{t}": torch.empty_like(h) for t, h in hot.items()},
-        **{f"{COLD}{t}": torch.empty_like(n) for t, n in cold_t.items()},
+        **{k: torch.empty_like(v) for k, v in extra.items()},
     }
     with torch.serialization.skip_data(materialize_fake_tensors=True):
         torch.save(state, tmp)
     reader = torch._C.PyTorchFileReader(str(tmp))
     # storages are numbered in the order the pickler first meets them: the table buffer, then each dense tensor
     base = _record_offset(reader, "data/0")
-    dense_at = {k: _record_offset(reader, f"data/{i + 1}") for i, k in enumerate([*dense_keys, *hot_keys])}
+    dense_at = {k: _record_offset(reader, f"data/{i + 1}") for i, k in enumerate([*dense_keys, *extra])}
     del reader
     total_rows = sum(config.num_embeddings)
     done_rows, last = 0, time.perf_counter()
@@ -512,10 +514,8 @@ def write_weights(
                     f"checkpoint: layer {k!r} has shape {list(v.shape)}, expected {list(skeleton[k].shape)}"
                 )
             _pwrite(fd, v.contiguous(), dense_at[k])
-        for table, ids_hot in hot.items():
-            _pwrite(fd, ids_hot.contiguous(), dense_at[f"{HOT}{table}"])
-        for table, n_cold in cold_t.items():
-            _pwrite(fd, n_cold, dense_at[f"{COLD}{table}"])
+        for k, tensor in extra.items():
+            _pwrite(fd, tensor, dense_at[k])
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -41,8 +41,7 @@ from dlrmkit.config import DLRMConfig
 from dlrmkit.cpus import available_cpus, split_parts, torch_threads
 from dlrmkit.errors import BadRequest, ConfigError, OutOfMemory, RequestError, ServerError
 from dlrmkit.forms import RequestParser
-from dlrmkit import hot as hot_module
-from dlrmkit.hot import Fill, HotIndex, IdCounter, Prefetch, warm
+from dlrmkit.hot import Fill, HotIndex, IdCounter, Prefetch, lock_said, small_tables, warm
 from dlrmkit.live import DeltaApplier, start_watcher
 from dlrmkit.live.applier import Emit
 from dlrmkit.model import DLRMFactory
@@ -192,8 +191,9 @@ class Worker:
         or more get their pages asked for before each forward."""
         c = self.config.hot
         index: HotIndex | None = getattr(model, "hot_index", None)
-        if c.prefetch and single and self.device.type == "cpu":
-            qebc = model.get_submodule("sparse_arch.embedding_bag_collection")
+        local = single and self.device.type == "cpu"  # the kernels read the mapped weights file
+        qebc = model.get_submodule("sparse_arch.embedding_bag_collection")
+        if c.prefetch and local:
             prefetch = Prefetch(qebc, dict(zip(self.config.sparse_features, self.config.num_embeddings)))
             if prefetch:
                 self.prefetch = prefetch
@@ -201,26 +201,20 @@ class Worker:
                     "prefetch: the pages of each forward's lookups in %s asked for at once", ", ".join(prefetch.tables)
                 )
                 self.fill = self._fill(weights, prefetch, index.cold if index is not None else None)
-        if index is not None and c.hot_rows and single and self.device.type == "cpu":
-            qebc = model.get_submodule("sparse_arch.embedding_bag_collection")
+        if index is not None and c.hot_rows and local:
             views = {k[len(TABLES) : -len(".weight")]: v for k, v in fused_tables(qebc).items()}
             self.hot, self.warmed = index, warm(index.regions(views), lock=mapped_read_only())
             if mapped_read_only():
                 # tables larger than memory: the tables too small to prefetch are read and locked whole
                 # (else cold pages evict them and every query faults a few of their pages back in)
-                small = [
-                    v[: index.rows[t]]
-                    for t, v in views.items()
-                    if index.rows[t] * v.stride(0) < hot_module.PREFETCH_MIN_BYTES
-                ]
+                small = small_tables(views, index.rows)
                 self.small = warm(small, lock=True)
                 logger.info(
-                    "small tables: %d tables under %d MiB read whole (%.1f MiB) in %.2f s, %s",
+                    "small tables: %d tables read whole (%.1f MiB) in %.2f s, %s",
                     len(small),
-                    hot_module.PREFETCH_MIN_BYTES >> 20,
                     self.small["bytes"] / 2**20,
                     self.small["seconds"],
-                    "locked in memory" if self.small["locked"] else f"not locked: {self.small['why_not_locked']}",
+                    lock_said(self.small),
                 )
             logger.info(
                 "hot rows: %d rows (%.1f MiB) of %d tables, read in %.2f s, %s",
@@ -228,7 +222,7 @@ class Worker:
                 self.warmed["bytes"] / 2**20,
                 len(index.hot),
                 self.warmed["seconds"],
-                "locked in memory" if self.warmed["locked"] else f"not locked: {self.warmed['why_not_locked']}",
+                lock_said(self.warmed),
             )
         elif index is not None:
             self.hot = index if c.hot_rows else None
