@@ -571,3 +571,53 @@ def test_server_scenario_under_loadgen_against_a_real_torchserve(tmp_path):
     again = tmp_path / "again"
     assert server_scenario.main(["--from-json", str(out / "server-scenario.json"), "--out", str(again)]) == 0
     assert (again / "server-scenario.md").read_text() == md and (again / "server-scenario.png").stat().st_size > 0
+
+
+def test_thread_cpu_counts_named_threads_apart_from_the_rest():
+    """bench/doors.py's split of a door's CPU: threads named like the KServe door's scoring threads
+    are its workers, every other thread of the process its front end."""
+    import ctypes
+
+    from bench import doors
+
+    libc = ctypes.CDLL(None)
+    done, spun = threading.Event(), threading.Event()
+
+    def spin(name: bytes):
+        libc.prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME: the name /proc shows
+        deadline = time.monotonic() + 20  # 0.3 s of this thread's own CPU, on a busy machine too
+        while time.thread_time() < 0.3 and time.monotonic() < deadline:
+            pass
+        spun.set()
+        done.wait(10)
+
+    t = threading.Thread(target=spin, args=(doors.SCORING_THREAD.encode() + b"_0",))
+    t.start()
+    try:
+        assert spun.wait(30)
+        named, total = doors.thread_cpu([os.getpid()], doors.SCORING_THREAD)
+    finally:
+        done.set()
+        t.join()
+    assert 0.25 <= named <= total, (named, total)
+    assert doors.thread_cpu([os.getpid()], "no-such-thread")[0] == 0
+
+
+def test_doors_report_puts_the_doors_side_by_side():
+    from bench import doors
+
+    def door(name, qps, rows):
+        cpu = {"frontend": 1.0, "workers": 2.0}
+        lg = [
+            {"form": f, "valid_qps": qps, "p99_ms": 50.0, "pairs_per_s": 100, "cpu_ms_per_query": cpu}
+            for f in mlperf.FORMS
+        ]
+        loads = [{"rows_per_s": rows, "p99_ms": 9.0, "cpu_ms_per_request": cpu} for _ in range(2)]
+        return {"door": name, "ready_s": 10, "loadgen": lg, "closed_loop": loads}
+
+    m = {"cpu": "x", "available_cpus": 2, "isa": "avx2", "load_average_at_start": [0, 0, 0]}
+    report = {"machine": m, "config": "c.yaml", "how": "from this install", "seconds": 25, "min_queries": 500}
+    report["rows"] = [door("torchserve", 20.0, 1000), door("kserve", 30.0, 500)]
+    text = "\n".join(doors.markdown(report))
+    assert "| LoadGen `columns`: VALID q/s (p99 ms) | 20.0 (50.0) | 30.0 (50.0) | 1.50 |" in text
+    assert "| single rows, concurrency 64: rows/s (p99 ms) | 1,000 (9.0) | 500 (9.0) | 0.50 |" in text
