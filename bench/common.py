@@ -524,6 +524,64 @@ def metric_value(srv: Server, model: str, name: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+# --- the machine's limit -------------------------------------------------------------------------
+
+# int8 multiply-accumulates per cycle per core at the ISA's peak (the instruction's MACs times how many
+# the core starts per cycle): AMX's TDPBUSD, 16x16x64 MACs in 16 cycles (Intel's Optimization Reference
+# Manual, "Intel AMX"); AVX-512 VNNI's VPDPBUSD on a zmm, 64 MACs, two per cycle on a core with two
+# 512-bit FMA units (Intel Xeon Scalable) and one on AMD Zen 4 (512-bit ops on 256-bit units);
+# AVX-VNNI on a ymm, 32 MACs, two per cycle; AVX2 without VNNI, VPMADDUBSW + VPMADDWD + VPADDD for 32
+# MACs on a ymm, about 32 per cycle at two of each per cycle.
+INT8_MACS_PER_CYCLE = (
+    ("amx_int8", 1024, "AMX (TDPBUSD)"),
+    ("avx512_vnni", 128, "AVX-512 VNNI, 2 x VPDPBUSD zmm per cycle (Xeon; Zen 4: 1 per cycle, half this)"),
+    ("avx_vnni", 64, "AVX-VNNI, 2 x VPDPBUSD ymm per cycle"),
+    ("avx2", 32, "AVX2 without VNNI (VPMADDUBSW + VPMADDWD + VPADDD)"),
+)
+
+
+def dense_macs_per_row(cfg) -> int:
+    """Multiply-accumulates of the dense half for one row: the bottom MLP, the interaction (torchrec's
+    pairwise dots of the F+1 vectors, or DCN's low-rank cross layers: V then W, each in x rank) and
+    the over arch. The embedding lookups are memory, not MACs; biases and activations are left out.
+
+    >>> from types import SimpleNamespace as C
+    >>> dense_macs_per_row(C(num_dense_features=2, dense_arch_layer_sizes=[4, 3], embedding_dim=3,
+    ...     sparse_features=["a", "b"], interaction="dot", over_arch_layer_sizes=[5, 1]))
+    64
+    """
+    mlp = lambda sizes: sum(a * b for a, b in zip(sizes, sizes[1:]))  # noqa: E731
+    d, f = cfg.embedding_dim, len(cfg.sparse_features) + 1  # the dense arch's output is one more vector
+    macs = mlp([cfg.num_dense_features, *cfg.dense_arch_layer_sizes])
+    if cfg.interaction == "dcn":
+        width = f * d
+        macs += cfg.dcn_num_layers * 2 * width * cfg.dcn_low_rank_dim
+    elif cfg.interaction == "dot":
+        pairs = f * (f - 1) // 2
+        width = d + pairs
+        macs += pairs * d
+    else:
+        raise ValueError(f"dense_macs_per_row: interaction {cfg.interaction!r} is not counted")
+    return macs + mlp([width, *cfg.over_arch_layer_sizes])
+
+
+def clock_mhz(cpuinfo: str | Path = "/proc/cpuinfo") -> float | None:
+    """The clock /proc/cpuinfo reports (under KVM the host's nominal clock; a turbo may run above it)."""
+    try:
+        line = next(ln for ln in Path(cpuinfo).read_text().splitlines() if ln.startswith("cpu MHz"))
+    except (OSError, StopIteration):
+        return None
+    return float(line.partition(":")[2])
+
+
+def int8_peak(flags: set[str], mhz: float | None) -> dict | None:
+    """The fastest int8 path the CPU has: {isa, macs_per_cycle, macs_per_s} per core at ``mhz``."""
+    for flag, per_cycle, isa in INT8_MACS_PER_CYCLE:
+        if flag in flags and mhz:
+            return {"isa": isa, "macs_per_cycle": per_cycle, "mhz": mhz, "macs_per_s": per_cycle * mhz * 1e6}
+    return None
+
+
 # --- reports -------------------------------------------------------------------------------------
 
 

@@ -22,6 +22,7 @@ bound drawn), run.json and loadgen/ (LoadGen's summary of every run) to results/
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import signal
@@ -33,7 +34,8 @@ from pathlib import Path
 
 from bench import mlperf
 from bench.common import HostForward, ROOT, build_archive, frontend_pid, jit_cpu_seconds, jit_cpu_since, load_served
-from bench.common import log, machine, md_table, metric_value, run_dir, serving, unpack, write_report
+from bench.common import clock_mhz, dense_macs_per_row, int8_peak, log, machine, md_table, metric_value, run_dir
+from bench.common import serving, unpack, write_report
 
 HOST_BATCH = 256
 # Issue 29's targets per config: pairs/s at the bound over an anchor measured in the same run.
@@ -43,13 +45,17 @@ TARGETS = {"criteo": ("host", 0.6), "dlrmv2": ("stock", 2.5)}
 # The default variants per config. DLRMv2's `int8` is the config as shipped (its worker runs a forward of
 # more than 350 rows as parts at once: handler.split_rows); `int8-whole` the same server with every forward
 # whole, on one thread (docs/performance.md#both-cores-for-a-large-query).
+# `binary` variants: the same archive, the queries as Open Inference Protocol v2 binary tensors (as
+# tritonclient sends them) rather than the kit's columns JSON.
 VARIANTS = {
+    "criteo": ["shipped:", "binary:form=v2-binary"],
     "dlrmv2": [
         "fp32:handler.dense_precision=fp32",
         "bf16:handler.dense_precision=bf16",
         "int8:",
+        "int8-binary:form=v2-binary",
         "int8-whole:handler.split_rows=0",
-    ]
+    ],
 }
 
 
@@ -72,7 +78,10 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
     key = cfg_path.stem.removeprefix("model-config").strip(".") or "seed"
     items = dict(items)
     split = int(items.pop("split", args.split_pairs))  # the load generator's, not the server's
-    tag = f"{key}-{variant}" + ("" if args.form == "columns" else f"-{args.form}") + (f"-split{split}" if split else "")
+    form = str(items.pop("form", args.form))  # how the load generator sends the queries
+    if form not in mlperf.FORMS:
+        raise SystemExit(f"error: variant {variant}: form={form}: expected one of {', '.join(mlperf.FORMS)}")
+    tag = f"{key}-{variant}" + ("" if form == "columns" else f"-{form}") + (f"-split{split}" if split else "")
     name = tag.replace("-", "_").replace(".", "_")
     # An int8 dense half takes static activation scales from a sample of the traffic: the random
     # model's traffic is the queries themselves, so the sample is drawn like them (another seed).
@@ -89,7 +98,7 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
     bags = mlperf.mlperf_bags(cfg)
     host = HostForward(source, model_dir, model, cfg, bags)
     stock = HostForward(source, None, None, cfg, bags) if TARGETS.get(key, ("",))[0] == "stock" else None
-    pool = mlperf.query_pool(cfg, args.queries, form=args.form, split=split)
+    pool = mlperf.query_pool(cfg, args.queries, form=form, split=split)
     mean_pairs = sum(q.pairs for q in pool) / len(pool)
     try:
         before = host.measure(HOST_BATCH, args.host_seconds)
@@ -100,7 +109,7 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
         start = args.start_qps or 0.3 * before["rows_per_s"] / mean_pairs
         probe = mlperf.make_query(cfg, random.Random(0), 1, mlperf.mlperf_bags(cfg)).body
         with serving(tmp / f"home-{name}", tmp / "store", {name: probe}, env) as srv:
-            url = srv.url + mlperf.path(args.form, name)
+            url = srv.url + mlperf.path(form, name)
             procs = lambda: {"frontend": [frontend_pid(srv)], "workers": srv.worker_pids(name)}  # noqa: E731
 
             def warm_load(s: float) -> dict:  # s seconds at half the search's first rate
@@ -131,7 +140,7 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
             found = mlperf.search(run_at, start, steps=args.steps, floor=args.min_queries / args.max_seconds)
             workers = len(srv.worker_pids(name))
             most = split_parts(torch_threads(cfg.threads.torch_threads, workers))
-            profile = query_profile(srv, name, url, pool, model, cfg, args.form, args.profile_reps, most)
+            profile = query_profile(srv, name, url, pool, model, cfg, form, args.profile_reps, most)
         after = host.measure(HOST_BATCH, args.host_seconds)
         stock_after = stock.measure(HOST_BATCH, args.host_seconds) if stock else None
     finally:
@@ -140,7 +149,9 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
             stock.close()
     host_rows = (before["rows_per_s"] + after["rows_per_s"]) / 2
     best = found["best"] or {"target_qps": 0, "pairs_per_s": 0, "p99_ms": None}
-    row = {"config": cfg_path.name, "variant": variant, "form": args.form, "overlay": items, "dense": dense}
+    row = {"config": cfg_path.name, "variant": variant, "form": form, "overlay": items, "dense": dense}
+    with contextlib.suppress(ValueError):  # an interaction it does not count: no MACs, no peak share
+        row["dense_macs_per_row"] = dense_macs_per_row(cfg)
     row.update(split_pairs=split, workers=workers, warm_up=warm)
     row.update(batch_size=doc.get("batchSize"), pairs_mean=round(mean_pairs, 1), host_before=before, host_after=after)
     row.update(host_rows_per_s=round(host_rows), cpus=before["cpus"], runs=found["runs"], valid_qps=best["target_qps"])
@@ -355,7 +366,8 @@ def short(dense: str) -> str:
 
 def label(row: dict) -> str:
     """A row's variant as the tables name it: ``int8``, ``b1 split 350``."""
-    return row["variant"] + (f" split {row['split_pairs']}" if row.get("split_pairs") else "")
+    form = f" ({row['form']})" if row.get("form", "columns") != "columns" and "binary" not in row["variant"] else ""
+    return row["variant"] + form + (f" split {row['split_pairs']}" if row.get("split_pairs") else "")
 
 
 def markdown(report: dict) -> list[str]:
@@ -415,7 +427,9 @@ def markdown(report: dict) -> list[str]:
 def forward_lines(report: dict) -> list[str]:
     """The raw forwards of the run per config and precision, all cores and per core, beside MLPerf's
     published per-core figure (a split variant serves the same archive as its unsplit one: left out)."""
-    rows = [r for r in report["rows"] if not r.get("split_pairs")]
+    form = report.get("form", "columns")
+    rows = [r for r in report["rows"] if not r.get("split_pairs") and r.get("form", form) == form]
+    peak = report.get("machine", {}).get("int8_peak")
     lines = [
         "",
         f"**The raw forward per precision** (no server, B={HOST_BATCH}, one single-thread process per CPU, mean of "
@@ -423,7 +437,7 @@ def forward_lines(report: dict) -> list[str]:
         "",
     ]
     header = "config | dense half | served archive, all cores rows/s | per core | stock torchrec fp32, per core | "
-    header += "vs stock | per core / MLPerf's per core"
+    header += "vs stock | per core / MLPerf's per core | dense MACs per row | per core, share of the int8 peak"
     cells = []
     for r in rows:
         per_core, stock = r["host_rows_per_s"] // r["cpus"], r.get("stock_rows_per_s")
@@ -432,8 +446,33 @@ def forward_lines(report: dict) -> list[str]:
         if stock:
             mlperf_cells = [f"{stock // r['cpus']:,}", f"{r['host_rows_per_s'] / stock:.2f}"]
             mlperf_cells.append(f"{per_core / mlperf.PUBLISHED_PAIRS_PER_CORE:.2f}")
-        cells.append([r["config"], short(r["dense"]), f"{r['host_rows_per_s']:,}", f"{per_core:,}", *mlperf_cells])
-    return lines + md_table(header.split(" | "), cells, align="llrrrrr")
+        macs = r.get("dense_macs_per_row")
+        share = f"{per_core * macs / peak['macs_per_s']:.3f}" if macs and peak else "n/a"
+        cells.append(
+            [r["config"], short(r["dense"]), f"{r['host_rows_per_s']:,}", f"{per_core:,}", *mlperf_cells]
+            + [f"{macs / 1e6:.2f} M" if macs else "n/a", share]
+        )
+    lines += md_table(header.split(" | "), cells, align="llrrrrrrr")
+    if peak:
+        lines += [
+            "",
+            f"The int8 peak: {peak['isa']}, {peak['macs_per_cycle']:,} int8 multiply-accumulates per cycle per core "
+            f"at the {peak['mhz']:,.0f} MHz /proc/cpuinfo reports = {peak['macs_per_s'] / 1e9:,.0f} G MACs/s per "
+            "core. The share: the dense half's MACs (bottom MLP, interaction, over arch) at the per-core rate over "
+            "that peak; the rate is the whole forward's (embedding lookups included), so the dense half alone is "
+            "at least this near the machine's limit, whatever precision it runs at.",
+        ]
+    return lines
+
+
+def floor_ms(q: dict, row: dict) -> float:
+    """A profiled query's compute floor: its pairs at the host's raw forward of the served archive on
+    every CPU (ms).
+
+    >>> floor_ms({"pairs": 700}, {"host_rows_per_s": 20_000})
+    35.0
+    """
+    return round(q["pairs"] / row["host_rows_per_s"] * 1000, 2)
 
 
 def parts_note(q: dict) -> str:
@@ -451,11 +490,13 @@ def profile_lines(report: dict) -> list[str]:
         "**Where one query's time goes** (after the search: the pool's largest and smallest query, each sent alone "
         "(no queueing), median ms; the worker's phases from the handler's own counters; outside the worker: the "
         "frontend, the transport, TorchServe's batching; the stages: the same query in the bench's process on the "
-        "served model, one thread)",
+        "served model, one thread; the compute floor: the query's pairs at the host's raw forward on all its "
+        "CPUs, what no server of this archive can beat on this machine)",
         "",
     ]
     header = (
-        "config | variant | pairs (requests, parts in the worker) | at the client | worker, per request: preprocess / "
+        "config | variant | pairs (requests, parts in the worker) | at the client | compute floor (client / floor) | "
+        "worker, per request: preprocess / "
     )
     header += (
         "inference / postprocess | outside the worker | parse / collate / lookup / dense / respond (first request)"
@@ -466,8 +507,11 @@ def profile_lines(report: dict) -> list[str]:
             worker = " / ".join(f"{q['worker_ms'][p]:g}" for p in PHASES) if q.get("worker_ms") else "n/a"
             stages = " / ".join(f"{q['stages_ms'][k]:g}" for k in STAGES)
             pairs, client = f"{q['pairs']} ({q.get('requests', 1)}{parts_note(q)})", f"{q['client_ms']:g}"
-            cells.append([r["config"], label(r), pairs, client, worker, q.get("outside_worker_ms", "n/a"), stages])
-    lines += md_table(header.split(" | "), cells, align="llrrlrl") + [""]
+            floor = f"{floor_ms(q, r):g} ({q['client_ms'] / floor_ms(q, r):.2f})" if r.get("host_rows_per_s") else "n/a"
+            cells.append(
+                [r["config"], label(r), pairs, client, floor, worker, q.get("outside_worker_ms", "n/a"), stages]
+            )
+    lines += md_table(header.split(" | "), cells, align="llrrrlrl") + [""]
     for r in rows:
         cpu, busy = r.get("cpu_ms_per_query") or {}, r.get("busy_at_target")
         warm = r.get("warm_up")
@@ -547,6 +591,8 @@ OPTIONS = (  # flag, type, default, help
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dlrmkit.dense import cpu_flags
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", default=["model-config.criteo.yaml", "model-config.dlrmv2.yaml"])
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...", help="repeatable")
@@ -572,6 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"machine": machine(), "seconds": args.seconds, "min_queries": args.min_queries}
     report.update(max_seconds=args.max_seconds, form=args.form, split_pairs=args.split_pairs)
     report["machine"]["load_average_at_start"] = load_at_start
+    report["machine"]["int8_peak"] = int8_peak(cpu_flags(), clock_mhz())
     report.update(rows=rows, wall_s=round(time.perf_counter() - started))
     write_report(out / "server-scenario", report, markdown(report), plot)
     return 0

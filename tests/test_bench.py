@@ -343,6 +343,7 @@ def test_forward_lines_give_each_archive_per_core_beside_stock_and_mlperf():
             "host_rows_per_s": 19216,
             "cpus": 2,
             "stock_rows_per_s": 5234,
+            "dense_macs_per_row": 16_030_464,
         },
         {
             "config": "model-config.dlrmv2.yaml",
@@ -353,14 +354,16 @@ def test_forward_lines_give_each_archive_per_core_beside_stock_and_mlperf():
             "split_pairs": 350,
         },  # the same archive: left out
     ]
-    lines = server_scenario.forward_lines({"rows": rows})
+    peak = common.int8_peak({"avx512_vnni"}, 2000.0)
+    lines = server_scenario.forward_lines({"rows": rows, "machine": {"int8_peak": peak}})
     assert mlperf.PUBLISHED in lines[1]
     table = [x for x in lines if x.startswith("| model-config")]
     assert table == [
-        "| model-config.criteo.yaml | fp32 | 72,376 | 36,188 | n/a | n/a | n/a |",
+        "| model-config.criteo.yaml | fp32 | 72,376 | 36,188 | n/a | n/a | n/a | n/a | n/a |",
         f"| model-config.dlrmv2.yaml | int8 static | 19,216 | 9,608 | 2,617 | {19216 / 5234:.2f} | "
-        f"{9608 / mlperf.PUBLISHED_PAIRS_PER_CORE:.2f} |",
+        f"{9608 / mlperf.PUBLISHED_PAIRS_PER_CORE:.2f} | 16.03 M | {9608 * 16_030_464 / (128 * 2000e6):.3f} |",
     ]
+    assert "128 int8 multiply-accumulates per cycle per core at the 2,000 MHz" in lines[-1]
 
 
 def test_bigtables_reads_the_workers_hot_rows_line():
@@ -621,3 +624,32 @@ def test_doors_report_puts_the_doors_side_by_side():
     text = "\n".join(doors.markdown(report))
     assert "| LoadGen `columns`: VALID q/s (p99 ms) | 20.0 (50.0) | 30.0 (50.0) | 1.50 |" in text
     assert "| single rows, concurrency 64: rows/s (p99 ms) | 1,000 (9.0) | 500 (9.0) | 0.50 |" in text
+
+
+@pytest.mark.parametrize("interaction", ["dot", "dcn"])
+def test_dense_macs_per_row_counts_every_weight_of_the_dense_half(interaction):
+    """Each weight of a dense matrix is one multiply-accumulate per row: the count equals the model's
+    own 2-D dense parameters (plus the pairwise dots, which have no weights)."""
+    from dlrmkit.model import DLRMFactory
+
+    cfg = tiny_config(**variant(interaction))
+    model = DLRMFactory(cfg).build()
+    weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embedding" not in n)
+    f = len(cfg.sparse_features) + 1
+    dots = f * (f - 1) // 2 * cfg.embedding_dim if interaction == "dot" else 0
+    assert common.dense_macs_per_row(cfg) == weights + dots
+
+
+def test_int8_peak_takes_the_fastest_path_the_cpu_has():
+    assert common.int8_peak({"avx2", "avx512_vnni", "amx_int8"}, 2000)["macs_per_cycle"] == 1024
+    assert common.int8_peak({"avx2", "avx512_vnni"}, 2000)["macs_per_s"] == 128 * 2000e6
+    assert common.int8_peak({"avx2"}, 2000)["macs_per_cycle"] == 32
+    assert common.int8_peak({"sse4_2"}, 2000) is None and common.int8_peak({"avx2"}, None) is None
+
+
+def test_a_variant_sent_as_binary_tensors_says_so_in_the_tables():
+    assert server_scenario.label({"variant": "int8-binary", "form": "v2-binary"}) == "int8-binary"
+    assert server_scenario.label({"variant": "int8", "form": "v2-binary", "split_pairs": 350}) == (
+        "int8 (v2-binary) split 350"
+    )
+    assert server_scenario.label({"variant": "int8", "form": "columns"}) == "int8"
