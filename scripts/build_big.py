@@ -137,6 +137,35 @@ def hot_rows(args, config) -> dict:
     return chosen, cold
 
 
+def calibrate(out: Path, config, args) -> None:
+    """An int8 dense half's static activation scales, as scripts/build_mar.py makes them: the dense
+    half's inputs for ``--calibrate``'s requests (else, for random weights, the kit's random rows)
+    looked up in the tables just written (memory-mapped: a few thousand pages read), saved in the
+    model directory where the worker reads them (dlrmkit/dense.py). A re-pack keeps the model's own."""
+    import torch
+
+    from dlrmkit import dense
+    from dlrmkit.accuracy import calibration_inputs
+    from dlrmkit.model import DLRMFactory
+
+    target = out / dense.CALIBRATION_FILE
+    if config.build.dense_precision != "int8" or target.is_file():
+        return
+    if not args.calibrate and args.checkpoint:
+        print("[build] int8 dense half without --calibrate: activation scales per batch (dynamic int8)", flush=True)
+        return
+    factory = DLRMFactory(config)
+    model = factory.load(out / "dlrm.pt")
+    if args.calibrate:
+        inputs, source = calibration_inputs(args.calibrate, model, config), args.calibrate
+    else:  # random weights have no training data: the kit's own random rows stand for it
+        gen = torch.Generator().manual_seed(config.build.seed)
+        probes = [factory.probe_batch(256, gen) for _ in range(-(-dense.CALIBRATION_ROWS // 256))]
+        inputs, source = dense.calibration_inputs(model, probes), f"{dense.CALIBRATION_ROWS} random rows"
+    torch.save(inputs, target)
+    print(f"[build] int8 dense half: static activation scales from {source} ({dense.CALIBRATION_FILE})", flush=True)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "model-config.yaml"), help="model config (default: %(default)s)")
@@ -178,6 +207,14 @@ def main(argv: list[str] | None = None) -> dict:
         default=2048,
         help="with --hot-counts: MiB of hot rows' copies (scripts/sizing.py --counts says what a size "
         "buys; default: %(default)s)",
+    )
+    ap.add_argument(
+        "--calibrate",
+        metavar="FILE.jsonl",
+        help="handler.dense_precision int8: requests like the traffic, as build_mar.py's --calibrate (a sample "
+        "of the training data), looked up in the written tables for int8's static activation scales; without "
+        "it, random weights calibrate on the kit's random rows as build_mar.py's do, and a checkpoint's "
+        "int8 dense half computes its scales per batch (dynamic)",
     )
     ap.add_argument("--json", metavar="FILE", help="write the build's measurements (time, peak RSS, sizes) here")
     ap.add_argument("--force", action="store_true", help="replace an existing --out")
@@ -239,6 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
             hot=hot,
             cold=cold,
         )
+        calibrate(out, config, args)
     except ConfigError as e:
         sys.exit(f"error: {e}")
     result["model_dir"] = str(out)

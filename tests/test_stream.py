@@ -253,3 +253,38 @@ def test_the_placeholder_buffer_of_a_lazy_kernel_commits_no_memory():
     buf = _uncommitted(3 << 30)
     assert buf.numel() == 3 << 30 and buf.dtype == torch.uint8
     assert int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") < 3 << 30
+
+
+def test_build_big_gives_an_int8_dense_half_static_scales_as_build_mar_does(tmp_path, caplog):
+    """dense_precision int8: random weights calibrate on the kit's random rows, --calibrate on its
+    requests looked up in the written tables; the worker then runs int8 static, not dynamic."""
+    import json
+    import logging
+
+    import yaml
+    from scripts import build_big
+
+    from conftest import TINY
+    from dlrmkit.dense import CALIBRATION_FILE
+    from dlrmkit.worker import Worker, read_model_dir
+
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"handler": {**TINY, "dense_precision": "int8"}}))
+    random_rows, sample = tmp_path / "random", tmp_path / "sample"
+    build_big.main(["--config", str(cfg), "--dtype", "int8", "--out", str(random_rows)])
+    assert torch.load(random_rows / CALIBRATION_FILE)["dense"].shape[0] > 8
+    requests = tmp_path / "calibration.jsonl"
+
+    def columns(lo: int) -> dict:  # rows lo, lo + 1: dense 0.5 x row, one id per feature
+        ids = {f"feature_{f}": {"values": [lo + f, lo + f + 1]} for f in range(3)}
+        return {"columns": {"dense": [[0.5 * i] * 5 for i in (lo, lo + 1)], "sparse": ids}}
+
+    requests.write_text("\n".join(json.dumps(columns(lo)) for lo in (0, 2, 4)) + "\n")
+    build_big.main(["--config", str(cfg), "--dtype", "int8", "--out", str(sample), "--calibrate", str(requests)])
+    inputs = torch.load(sample / CALIBRATION_FILE)
+    assert inputs["dense"].shape == (6, 5) and torch.equal(inputs["dense"][:, 0], torch.arange(6) * 0.5)
+    w = Worker()
+    with caplog.at_level(logging.INFO, logger="dlrmkit"):
+        w.load(sample, *read_model_dir(sample))
+    w.close()
+    assert "dense half: int8 static" in caplog.text
