@@ -155,6 +155,7 @@ class HttpSUT:
         self.local = threading.local()
         self.lock = threading.Lock()
         self.queries = self.pairs = self.errors = 0
+        self.times: list[tuple[float, float, int]] = []  # per query: sent, answered (monotonic s), pairs
 
     def post_all(self, requests) -> int:
         """``requests`` ((body, headers) pairs: one query) sent at once, the first on this thread,
@@ -181,7 +182,7 @@ class HttpSUT:
     def _send(self, sample_id: int, index: int) -> None:
         import mlperf_loadgen as lg
 
-        pairs, status = 0, 0
+        pairs, status, sent = 0, 0, time.monotonic()
         try:
             pairs, body, headers, parts = self.pool[index]
             status = self.post_all(parts or ((body, headers),))
@@ -190,6 +191,7 @@ class HttpSUT:
                 self.queries += 1
                 self.pairs += pairs
                 self.errors += status != 200
+                self.times.append((sent, time.monotonic(), pairs))
             lg.QuerySamplesComplete([lg.QuerySampleResponse(sample_id, 0, 0)])
 
     def issue(self, samples) -> None:
@@ -240,7 +242,7 @@ def run(
     log_settings.log_output.outdir = str(logs)
     log_settings.log_output.copy_summary_to_stdout = False
     groups = procs() if procs else {}
-    cpu0, client0, t0 = cpu_snapshot(groups), self_cpu(), time.perf_counter()
+    cpu0, client0, t0, started = cpu_snapshot(groups), self_cpu(), time.perf_counter(), time.monotonic()
     try:
         lg.StartTestWithLogSettings(lg_sut, qsl, settings(qps, seconds, min_queries, max_seconds), log_settings)
     finally:
@@ -265,11 +267,22 @@ def run(
         pairs_per_s=round(sut.pairs / took),
         client_cpu_us_per_query=round(client / q * 1e6),
         summary=str(Path(out).relative_to(ROOT) if out and Path(out).is_relative_to(ROOT) else out or ""),
+        slowest=slowest(sut.times, started),
     )
     if cpu0 and cpu1:  # a worker replaced meanwhile (its pid gone): no CPU figure for this run
         res.update({f"{k}_cpu_us_per_query": round((cpu1[k] - cpu0[k]) / q * 1e6) for k in groups})
     res["ok"] = bool(res.get("valid")) and sut.errors == 0
     return res
+
+
+def slowest(times: list[tuple[float, float, int]], started: float, n: int = 5) -> list[dict]:
+    """The ``n`` slowest queries at the client: when each was sent (s after ``started``), its ms and pairs.
+
+    >>> slowest([(10.0, 10.05, 300), (11.0, 11.2, 700), (12.0, 12.01, 100)], 10.0, 2)
+    [{'at_s': 1.0, 'ms': 200.0, 'pairs': 700}, {'at_s': 0.0, 'ms': 50.0, 'pairs': 300}]
+    """
+    top = sorted(times, key=lambda t: t[0] - t[1])[:n]
+    return [{"at_s": round(a - started, 2), "ms": round((b - a) * 1000, 1), "pairs": p} for a, b, p in top]
 
 
 _LATENCIES = {"50.00": "p50_ms", "90.00": "p90_ms", "99.00": "p99_ms", "99.90": "p999_ms"}

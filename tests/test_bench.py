@@ -653,3 +653,45 @@ def test_a_variant_sent_as_binary_tensors_says_so_in_the_tables():
         "int8 (v2-binary) split 350"
     )
     assert server_scenario.label({"variant": "int8", "form": "columns"}) == "int8"
+
+
+def test_the_ready_run_reports_the_cold_queries_of_a_fresh_server(tmp_path):
+    """server_scenario.ready_run: a real LoadGen run against a server started for it; its first
+    queries are slow (as a cold server's are): the slowest list names them, sent first, and max / p99."""
+    import contextlib
+    import http.server
+    import types
+
+    answered = []
+
+    class Slow(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            answered.append(1)
+            time.sleep(0.15 if len(answered) <= 2 else 0.001)  # the two first: cold
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *a):
+            pass
+
+    @contextlib.contextmanager
+    def start():
+        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+        t = threading.Thread(target=srv.serve_forever, daemon=True)
+        t.start()
+        try:
+            yield types.SimpleNamespace(url=f"http://127.0.0.1:{srv.server_address[1]}")
+        finally:
+            srv.shutdown()
+
+    pool = [mlperf.Query(100 + i, b"{}", {"Content-Type": "application/json"}) for i in range(8)]
+    args = types.SimpleNamespace(seconds=1.0, min_queries=200, max_seconds=20.0, loadgen_dir=tmp_path)
+    r = server_scenario.ready_run(start, "columns", "m", pool, 200.0, args, "t")
+    assert r["queries"] >= 200 and r["ready_s"] >= 0
+    assert [q["ms"] >= 150 for q in r["slowest"][:2]] == [True, True]
+    assert all(q["at_s"] < 1.0 for q in r["slowest"][:2])
+    assert r["max_over_p99"] == round(r["max_ms"] / r["p99_ms"], 2) and r["max_ms"] >= 150
+    assert (tmp_path / "t-200.00qps-at-ready.txt").is_file()
