@@ -255,7 +255,9 @@ class DoorServer(ModelServer):
             self.registered_models.stopping = True
         for model in self.registered_models.get_models().values():
             model.ready = False
-        grpc_server, self._grpc_server = self._grpc_server, None
+        # kserve's stop must not stop it again; kserve leaves the attribute untyped (getattr: Any)
+        grpc_server = getattr(self, "_grpc_server", None)
+        self._grpc_server = None
 
         async def drain() -> None:
             if grpc_server is not None:

@@ -588,8 +588,6 @@ def test_the_second_door_answers_rest_v2_and_grpc_with_the_in_process_scores(doo
     seen = door_grpc(door_served.port(ports["h2c"]), "forms")
     assert seen["raw"]["id"] == "tg-1" and np.allclose(np.asarray(seen["raw"]["scores"])[:, 0], want, atol=1e-5)
     assert seen["typed"]["model_version"] == "1.0" and np.allclose(seen["typed"]["scores"], want, atol=1e-5)
-    logs = door_served.logs()
-    assert "DLRM loaded on cpu" in logs, logs[-4000:]  # the kit's own log line, on stdout
 
 
 def test_the_second_doors_probe_paths_answer(door_served, door_args):
