@@ -1,5 +1,7 @@
-# The kit's TorchServe image: deploy/kserve's ServingRuntime runs it. Build it with `make image`
+# The kit's image: deploy/kserve's ServingRuntimes run it. Build it with `make image`
 # (docs/kubernetes.md). Plain Dockerfile, no BuildKit features: Debian's docker.io 20.10 builds it.
+# Two front doors on the same model: TorchServe (the default command) and, with the command
+# `kserve [ARG...]`, KServe's own model server (dlrm_kserve.py; scripts/container_entrypoint.py).
 #
 # Build arguments:
 #   BASE     a Debian bookworm image (default debian:bookworm-slim)
@@ -34,6 +36,11 @@ COPY dlrmkit/ /src/dlrmkit/
 COPY scripts/ /src/scripts/
 # The OIP endpoint plugin (`make plugin`, copied here by `make image`): the layout carries it.
 COPY build/docker/plugins/ /src/build/plugins/
+# The second door: dlrm_kserve.py beside the kit it imports (python /opt/dlrm/dlrm_kserve.py puts
+# /opt/dlrm on sys.path), compiled here: the final image writes no bytecode.
+RUN mkdir -p /opt/dlrm/door && cp -r /src/dlrm_kserve.py /src/dlrmkit /opt/dlrm/door/ \
+    && find /opt/dlrm/door -name __pycache__ -prune -exec rm -rf {} + \
+    && /opt/venv/bin/python -m compileall -q /opt/dlrm/door > /dev/null
 # The default model: seeded weights, served on 8080 by `docker run -p 8080:8080 IMAGE`.
 # The cuda variant has none: building it imports fbgemm-gpu, which needs the GPU node's driver.
 RUN cd /src && export PYTHONPATH=/src && if [ "${VARIANT}" = cuda ]; then mkdir -p /opt/dlrm/model; else \
@@ -50,17 +57,21 @@ RUN apt-get update && apt-get install -y --no-install-recommends python3 openjdk
     && useradd --uid 1000 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin model-server
 COPY --from=build /opt/venv /opt/venv
 COPY build/docker/plugins/ /opt/dlrm/plugins/
+COPY --from=build /opt/dlrm/door/ /opt/dlrm/
 COPY scripts/container_entrypoint.py /opt/dlrm/entrypoint.py
 COPY --from=build /opt/dlrm/model /opt/dlrm/model
 # OMP_WAIT_POLICY=PASSIVE: idle OpenMP threads sleep rather than spin on a core another worker or the
 # frontend needs (a worker of handler.torch_threads > 1 runs OpenMP threads; docs/performance.md).
 # Only /tmp is writable under Kubernetes' readOnlyRootFilesystem (an emptyDir): TorchServe's
-# logs/ and snapshots, its pid file and the workers' sockets and model folders all go there.
+# logs/ and snapshots, its pid file and the workers' sockets and model folders all go there; the
+# second door unpacks its .mar into a temporary directory there (TMPDIR).
 ENV PATH=/opt/venv/bin:$PATH HOME=/tmp TMPDIR=/tmp LOG_LOCATION=/tmp/logs METRICS_LOCATION=/tmp/logs \
     PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE
 WORKDIR /tmp
 USER 1000:1000
-EXPOSE 8080 8085 7070 8082
+# 8080: the default model's HTTP (either door); 8081: the second door's gRPC; 8085, 7070, 8082:
+# TorchServe on a ServingRuntime's layout (HTTP, gRPC, metrics).
+EXPOSE 8080 8081 8085 7070 8082
 ENTRYPOINT ["/usr/bin/tini", "--", "/opt/venv/bin/python", "/opt/dlrm/entrypoint.py"]
 CMD ["torchserve", "--start", "--foreground", "--model-store=/opt/dlrm/model/model-store", \
      "--ts-config=/opt/dlrm/model/config/config.properties"]

@@ -246,9 +246,25 @@ class PinnedRepository(ModelRepository):
 
 class DoorServer(ModelServer):
     def stop(self, sig: int) -> None:
+        """SIGTERM, once uvicorn has answered the REST requests it accepted (it takes the signal first,
+        then hands it on): the models turn not ready, the gRPC server stops taking calls and finishes
+        those it took (kserve's grace period), and only then do the models unload. kserve's own stop
+        unloads at once, under gRPC calls still running (NOT_FOUND, or a closed worker). Should the
+        loop end before the unload, each model's atexit stop does it."""
         if isinstance(self.registered_models, PinnedRepository):
             self.registered_models.stopping = True
-        super().stop(sig)
+        for model in self.registered_models.get_models().values():
+            model.ready = False
+        # kserve's stop must not stop it again; kserve leaves the attribute untyped (getattr: Any)
+        grpc_server = getattr(self, "_grpc_server", None)
+        self._grpc_server = None
+
+        async def drain() -> None:
+            if grpc_server is not None:
+                await grpc_server.stop(sig)
+            ModelServer.stop(self, sig)  # the rest of kserve's stop, then the unload
+
+        self._draining = asyncio.get_running_loop().create_task(drain())
 
 
 def register_routes(app=model_server.app) -> None:

@@ -3,7 +3,7 @@
 #
 #   bash scripts/install.sh                      # .venv for development (what `make venv` runs)
 #   bash scripts/install.sh --wheelhouse DIR     # wheels of the same pins into DIR, for `make image`
-#   VENV=/opt/venv KIT=runtime bash scripts/install.sh   # the image: the kit's runtime deps only
+#   VENV=/opt/venv KIT=runtime bash scripts/install.sh   # the image: the kit's runtime deps and its door extra
 #
 # Why a script and not `pip install -e .`: torchrec's own metadata pulls the CUDA build of
 # fbgemm-gpu, which overwrites fbgemm-gpu-cpu in the same fbgemm_gpu/ folder and then fails to
@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
-KIT=${KIT:-dev}   # dev: the kit editable with its test extras; runtime: its runtime deps only
+KIT=${KIT:-dev}   # dev: the kit editable with its test extras; runtime: its runtime deps and door extra
 
 VARIANT=${VARIANT:-}
 if [ -z "$VARIANT" ]; then
@@ -34,6 +34,8 @@ STACK=(torch==2.13.0 "$FBGEMM" pyre-extensions tensordict torchmetrics tqdm iopa
 TORCHREC=torchrec==1.8.0
 # The kit's runtime deps, from pyproject.toml (torchserve, archiver, pyyaml, msgspec, numpy).
 mapfile -t KIT_DEPS < <("$PY" -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))')
+# The second door's (kserve), the door extra: the image serves either door.
+mapfile -t DOOR_DEPS < <("$PY" -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["door"]))')
 
 if [ "${1:-}" = "--wheelhouse" ]; then
   OUT=${2:?usage: install.sh --wheelhouse DIR}
@@ -42,7 +44,7 @@ if [ "${1:-}" = "--wheelhouse" ]; then
   # pip wheel, not pip download: sdist-only deps (iopath) become wheels here, so the image's
   # build stage installs with --no-index and needs no compiler or setuptools.
   W=("$PY" -m pip wheel --disable-pip-version-check -q -w "$OUT")
-  "${W[@]}" "${STACK[@]}" "${KIT_DEPS[@]}"
+  "${W[@]}" "${STACK[@]}" "${KIT_DEPS[@]}" "${DOOR_DEPS[@]}"
   "${W[@]}" --no-deps "$TORCHREC"
   exit 0
 fi
@@ -61,7 +63,7 @@ echo "[install] torch 2.13.0, $FBGEMM, torchserve 0.12.0 into $VENV (first run t
 "${PIP[@]}" "${STACK[@]}"
 "${PIP[@]}" --no-deps "$TORCHREC"
 if [ "$KIT" = runtime ]; then
-  "${PIP[@]}" "${KIT_DEPS[@]}"
+  "${PIP[@]}" "${KIT_DEPS[@]}" "${DOOR_DEPS[@]}"
 else
   # The kit itself (pulls torchserve, archiver, pyyaml, msgspec, test deps; torch is already satisfied).
   "${PIP[@]}" -e ".[test]"

@@ -5,6 +5,7 @@
     aws s3 cp --recursive build/kserve s3://BUCKET/dlrm              # storageUri: s3://BUCKET/dlrm
     python scripts/kserve_deploy.py sizing > deploy/kserve/base/sizing.yaml
     python scripts/kserve_deploy.py sizing --kind Deployment > deploy/kserve/plain/sizing.yaml
+    python scripts/kserve_deploy.py sizing --door kserve > deploy/kserve/kserve-door/sizing.yaml
 
 ``layout`` writes what KServe's TorchServe runtime reads from ``storageUri`` (mounted at
 /mnt/models): ``config/config.properties`` (enable_envvars_config=true, a model_snapshot naming
@@ -15,6 +16,8 @@ scripts/sizing.py for the config and a pod of --cpus CPUs (the CPU rule's worker
 dlrmkit.cpus.cpu_rule: one single-threaded worker per CPU; memory for those workers and the chosen
 embedding dtype; startupProbe allowing the config's startupTimeout). ``layout`` writes the same
 worker count into the runtime's model_snapshot: give both the same --cpus (default 2).
+``sizing --door kserve`` sizes the second door's InferenceService (dlrm_kserve.py, one process
+scoring with the pod's CPUs as torch threads): its port and kserve's health paths.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ FRONTEND_BYTES = 1 << 30  # TorchServe's Java frontend (heap + threads), beside 
 GIB = 1 << 30
 POD_CPUS = 2  # the pod's CPU request and limit, unless --cpus says otherwise
 PLUGIN = "build/plugins/dlrm-oip.jar"  # `make plugin`
+DOOR_PORT = 8080  # the second door's REST port (dlrm_kserve.py --http-port), its runtime's containerPort
+DOOR_SERVER_BYTES = 512 << 20  # kserve's server in the door's process (FastAPI, uvicorn, gRPC), beside the model
+DOOR_NAME = "dlrm-kserve"  # the second door's InferenceService (deploy/kserve/kserve-door)
 
 
 def pod_workers(top: dict, cpus: int) -> int:
@@ -121,9 +127,12 @@ def layout(args) -> Path:
     return out
 
 
-def sizing_patch(config_path: Path, kind: str = "InferenceService", cpus: int = POD_CPUS) -> str:
+def sizing_patch(
+    config_path: Path, kind: str = "InferenceService", cpus: int = POD_CPUS, door: str = "torchserve"
+) -> str:
     """The kustomize strategic-merge patch of the InferenceService's predictor, or of the plain
-    Deployment's container, for a pod of ``cpus`` CPUs."""
+    Deployment's container, for a pod of ``cpus`` CPUs. ``door`` kserve: the second door's
+    InferenceService (one process holding the model and kserve's server, on DOOR_PORT)."""
     import yaml
 
     from scripts import sizing
@@ -131,12 +140,13 @@ def sizing_patch(config_path: Path, kind: str = "InferenceService", cpus: int = 
 
     config = DLRMConfig.from_yaml(config_path)
     top = yaml.safe_load(config_path.read_text()) or {}
-    workers = pod_workers(top, cpus)
+    workers = 1 if door == "kserve" else pod_workers(top, cpus)
     overhead = sizing.parse_bytes("450MiB")
     # The budget only feeds the report's worker counts, unused here: replicas scale out instead.
     rep = sizing.report(config, 64 * GIB, overhead, 20.0, 200.0)["dtypes"][config.build.embedding_dtype]
     # CPU workers share one mmapped copy of the tables; each worker adds its process.
-    need = rep["table_bytes"] + workers * (rep["model_bytes"] - rep["table_bytes"] + overhead) + FRONTEND_BYTES
+    server = DOOR_SERVER_BYTES if door == "kserve" else FRONTEND_BYTES
+    need = rep["table_bytes"] + workers * (rep["model_bytes"] - rep["table_bytes"] + overhead) + server
     memory_gib = max(2, math.ceil(need * 1.25 / GIB))  # 25% headroom for batches in flight
     cpu = cpus  # the frontend shares them: one worker per CPU served the most (docs/performance.md)
     startup_s = max(rep["startup_timeout_s"], int(top.get("startupTimeout", 0)))
@@ -145,18 +155,23 @@ def sizing_patch(config_path: Path, kind: str = "InferenceService", cpus: int = 
         "limits": {"cpu": str(cpu), "memory": f"{memory_gib}Gi"},
     }
 
+    # TorchServe: its frontend's /ping. The second door starts listening once the model is loaded;
+    # kserve's /v2/health/live answers from then on.
+    port, live = (DOOR_PORT, "/v2/health/live") if door == "kserve" else (INFERENCE_PORT, "/ping")
+
     def ping():  # a fresh dict each time: no YAML anchors in the patch
-        return {"httpGet": {"path": "/ping", "port": INFERENCE_PORT}, "periodSeconds": 10, "timeoutSeconds": 5}
+        return {"httpGet": {"path": live, "port": port}, "periodSeconds": 10, "timeoutSeconds": 5}
 
     container = {
         "resources": resources,
         # The model may take startupTimeout to load; liveness waits for this probe.
         "startupProbe": {**ping(), "failureThreshold": math.ceil(startup_s / 10)},
         # Liveness stays the frontend's cheap /ping; traffic follows the model's real workers:
-        # the OIP plugin's model-ready answers 503 while no worker of the model is READY.
+        # the OIP plugin's model-ready answers 503 while no worker of the model is READY (the second
+        # door: kserve's, from the loaded model's state).
         "livenessProbe": {**ping(), "failureThreshold": 3},
         "readinessProbe": {
-            "httpGet": {"path": "/v2/models/dlrm/ready", "port": INFERENCE_PORT},
+            "httpGet": {"path": "/v2/models/dlrm/ready", "port": port},
             "periodSeconds": 5,
             "timeoutSeconds": 5,
             "failureThreshold": 1,
@@ -166,7 +181,7 @@ def sizing_patch(config_path: Path, kind: str = "InferenceService", cpus: int = 
         patch = {
             "apiVersion": "serving.kserve.io/v1beta1",
             "kind": kind,
-            "metadata": {"name": "dlrm"},
+            "metadata": {"name": DOOR_NAME if door == "kserve" else "dlrm"},
             "spec": {"predictor": {"model": container}},
         }
     else:
@@ -177,9 +192,11 @@ def sizing_patch(config_path: Path, kind: str = "InferenceService", cpus: int = 
             "spec": {"template": {"spec": {"containers": [{"name": "torchserve", **container}]}}},
         }
     head = (
-        f"# Generated by scripts/kserve_deploy.py sizing --kind {kind} --config {config_path.name}"
+        f"# Generated by scripts/kserve_deploy.py sizing --kind {kind}"
+        f"{' --door kserve' if door == 'kserve' else ''} --config {config_path.name}"
         f"{'' if cpus == POD_CPUS else f' --cpus {cpus}'}: "
-        f"{config.build.embedding_dtype} tables {sizing.human(rep['table_bytes'])}, {workers} worker(s),\n"
+        f"{config.build.embedding_dtype} tables {sizing.human(rep['table_bytes'])}, "
+        f"{'one process' if door == 'kserve' else f'{workers} worker(s)'},\n"
         f"# startupTimeout {startup_s} s. Regenerate it when the config changes (a test compares).\n"
     )
     return head + yaml.safe_dump(patch, sort_keys=False)
@@ -208,6 +225,12 @@ def main(argv: list[str] | None = None):
         default="InferenceService",
         help="patch the KServe predictor or the plain Deployment (default: %(default)s)",
     )
+    siz.add_argument(
+        "--door",
+        choices=["torchserve", "kserve"],
+        default="torchserve",
+        help="the front door sized: kserve for deploy/kserve/kserve-door's InferenceService (default: %(default)s)",
+    )
     for p in (lay, siz):
         p.add_argument(
             "--cpus",
@@ -218,7 +241,9 @@ def main(argv: list[str] | None = None):
     args = ap.parse_args(argv)
     if args.command == "layout":
         return layout(args)
-    sys.stdout.write(sizing_patch(Path(args.config), args.kind, args.cpus))
+    if args.door == "kserve" and args.kind != "InferenceService":
+        ap.error("--door kserve: sizes the InferenceService only (use --kind InferenceService)")
+    sys.stdout.write(sizing_patch(Path(args.config), args.kind, args.cpus, args.door))
 
 
 if __name__ == "__main__":

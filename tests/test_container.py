@@ -2,7 +2,8 @@
 ServingRuntime's args, the layout of scripts/kserve_deploy.py mounted read-only at /mnt/models,
 uid 1000, read-only root, /tmp a tmpfs, all capabilities dropped, base/sizing.yaml's CPU and
 memory), answering the seed curl, tritonclient's binary v2 and TorchServe's gRPC with the
-in-process model's scores; stopped with SIGTERM under load without losing a request.
+in-process model's scores; stopped with SIGTERM under load without losing a request. The image's
+second door (its `kserve` command, deploy/kserve/kserve-door's ServingRuntime) is run the same way.
 
 Needs a Docker engine: without one these tests skip (start one: `dockerd &`, or run `.ci/run`,
 which installs and starts it); on CI (CI=true) they fail instead."""
@@ -14,6 +15,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -167,12 +169,19 @@ def image(engine):
 class Container:
     """One `docker run`, removed at the end whatever happens."""
 
-    def __init__(self, image: str, args: list[str] = (), mount: Path | None = None, ports=(8085, 7070, 8082)):
+    def __init__(
+        self,
+        image: str,
+        args: list[str] = (),
+        mount: Path | None = None,
+        ports=(8085, 7070, 8082),
+        sizing_path: str = "base/sizing.yaml",
+    ):
         self.name = f"dlrm-test-{uuid.uuid4().hex[:8]}"
         run = run_args(image, self.name, 0)[:-3]  # as the pods run it, ports below
         for p in ports:
             run += ["-p", f"127.0.0.1::{p}"]
-        sizing = yaml.safe_load((DEPLOY / "base" / "sizing.yaml").read_text())
+        sizing = yaml.safe_load((DEPLOY / sizing_path).read_text())
         limits = sizing["spec"]["predictor"]["model"]["resources"]["limits"]
         run += ["--cpus", str(limits["cpu"]), "--memory", limits["memory"].replace("Gi", "g")]
         if mount:
@@ -513,3 +522,127 @@ def test_an_empty_base_is_removed_and_made_again_never_reused(engine, tmp_path):
         assert docker("run", "--rm", "--network", "none", base, "/bin/sh", "-c", "echo ok").stdout == "ok\n"
     finally:
         docker("image", "rm", "-f", base, check=False)
+
+
+# --- the second door: KServe's own model server in the same image --------------------------------
+
+DOOR_RUNTIME = DEPLOY / "kserve-door" / "servingruntime.yaml"
+DOOR_SIZING = "kserve-door/sizing.yaml"
+
+
+@pytest.fixture(scope="module")
+def door_args():
+    """deploy/kserve/kserve-door's ServingRuntime args (`kserve --model-path=/mnt/models/... ...`)
+    and its ports by name (http1: REST, h2c: gRPC)."""
+    (container,) = yaml.safe_load(DOOR_RUNTIME.read_text())["spec"]["containers"]
+    return container["args"], {p["name"]: p["containerPort"] for p in container["ports"]}
+
+
+def door_container(image: str, layout: Path | None, args: list[str], ports: dict) -> Container:
+    return Container(image, args, layout, ports=(ports["http1"], ports["h2c"]), sizing_path=DOOR_SIZING)
+
+
+def door_grpc(port: int, check: str) -> dict:
+    """tests/door_grpc.py's CHECK against the door, in a child that never imports kserve (its protos
+    and tritonclient.grpc's cannot share a process); what it saw, once done (bounded)."""
+    child = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "door_grpc.py"), str(port), check],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "tests")},
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def door_served(image, layout, door_args):
+    args, ports = door_args
+    c = door_container(image, layout, args, ports)
+    try:
+        ready(c, ports["http1"])
+        yield c
+    finally:
+        c.remove()
+
+
+def test_the_second_door_answers_rest_v2_and_grpc_with_the_in_process_scores(door_served, door_args, tmp_path):
+    """The ServingRuntime's args on the layout, as the pod runs them (uid 1000, read-only root, /tmp
+    a tmpfs): the seed request on /predictions, tritonclient's binary v2 over REST and
+    tritonclient.grpc's ModelInfer (raw and typed contents) score as the in-process model."""
+    _, ports = door_args
+    url = door_served.url(ports["http1"])
+    want = reference(ROWS)
+    status, body = post(url, json.dumps(SEED).encode())
+    assert status == 200 and np.allclose(
+        body["scores"],
+        reference([instance(DENSE_ROWS[0].tolist(), feature_0=[3, 4], feature_1=[7])]),
+        atol=1e-5,
+        rtol=0,
+    ), (status, body)
+    result = triton(_Url(url), binary=True)
+    assert np.allclose(result.as_numpy("scores")[:, 0], want, atol=1e-5, rtol=0)
+    status, body = post(url, json.dumps({"instances": ROWS}).encode(), "/v1/models/dlrm:predict")
+    assert status == 200 and np.allclose(body["predictions"], want, atol=1e-5, rtol=0), body
+    seen = door_grpc(door_served.port(ports["h2c"]), "forms")
+    assert seen["raw"]["id"] == "tg-1" and np.allclose(np.asarray(seen["raw"]["scores"])[:, 0], want, atol=1e-5)
+    assert seen["typed"]["model_version"] == "1.0" and np.allclose(seen["typed"]["scores"], want, atol=1e-5)
+
+
+def test_the_second_doors_probe_paths_answer(door_served, door_args):
+    """kserve-door/sizing.yaml's probes, on the port it names; gRPC's ServerLive and ModelReady too."""
+    import urllib.request
+
+    _, ports = door_args
+    model = yaml.safe_load((DEPLOY / DOOR_SIZING).read_text())["spec"]["predictor"]["model"]
+    answers = {}
+    for probe in (model["startupProbe"], model["livenessProbe"], model["readinessProbe"]):
+        get = probe["httpGet"]
+        assert get["port"] == ports["http1"]
+        with urllib.request.urlopen(door_served.url(get["port"]) + get["path"], timeout=10) as r:
+            assert r.status == 200
+            answers[get["path"]] = json.loads(r.read())
+    assert answers == {"/v2/health/live": {"live": True}, "/v2/models/dlrm/ready": {"name": "dlrm", "ready": True}}
+    seen = door_grpc(door_served.port(ports["h2c"]), "health")
+    assert seen["live"] and seen["ready"], seen
+
+
+def test_the_images_kserve_command_serves_the_default_model(image, door_args):
+    """`docker run IMAGE kserve`: the second door on the image's own model, REST 8080 and gRPC 8081,
+    answering the README's seed request with the default model's score."""
+    from dlrmkit.batch import collate, scores
+    from dlrmkit.config import DLRMConfig
+    from dlrmkit.forms import RequestParser
+    from dlrmkit.model import DLRMFactory
+
+    body = (ROOT / "sample_requests" / "seed_single.json").read_bytes()
+    c = door_container(image, None, ["kserve"], {"http1": 8080, "h2c": 8081})
+    try:
+        ready(c, 8080, body)
+        status, answer = post(c.url(8080), body)
+        config = DLRMConfig.from_yaml(ROOT / "model-config.yaml")
+        batch, bad = collate([RequestParser(config).parse(body)], config)
+        assert status == 200 and np.allclose(
+            answer["scores"], scores(DLRMFactory(config).random(), batch, config)[0], atol=1e-5, rtol=0
+        ), answer
+        assert door_grpc(c.port(8081), "health")["live"]
+    finally:
+        c.remove()
+
+
+def test_the_second_door_drains_on_sigterm_and_exits_0(image, layout, door_args):
+    """`docker stop` (SIGTERM, 30 s grace) under 16 concurrent clients: every request sent before it,
+    those in flight included, answered 200; the container exits 0 within the grace period."""
+    args, ports = door_args
+    c = door_container(image, layout, args, ports)
+    try:
+        ready(c, ports["http1"])
+        host = address(c.name)
+        result = load_and_stop(c.name, host, ports["http1"], concurrency=16, load_s=3, body=json.dumps(SEED).encode())
+        assert result["exit_code"] == 0, (result, c.logs()[-4000:])
+        assert result["before_sigterm"]["lost"] == 0 and result["before_sigterm"]["answered"] > 0, result
+        assert result["in_flight"]["answered"] == result["concurrency"], result
+        assert result["sigterm_to_exit_s"] < 30, result
+    finally:
+        c.remove()

@@ -88,7 +88,7 @@ def check_kserve(value, type_name: str, where: str) -> None:
         check_kserve(v, model.openapi_types[by_json[key]], f"{where}.{key}")
 
 
-@pytest.mark.parametrize("overlay", ["cpu", "gpu", "plain"])
+@pytest.mark.parametrize("overlay", ["cpu", "gpu", "plain", "kserve-door"])
 def test_overlays_render_and_validate(overlay):
     import kubernetes_validate
 
@@ -98,6 +98,7 @@ def test_overlays_render_and_validate(overlay):
         "cpu": ["InferenceService", "ServingRuntime"],
         "gpu": ["InferenceService", "ServingRuntime"],
         "plain": ["Deployment", "HorizontalPodAutoscaler", "Service"],
+        "kserve-door": ["InferenceService", "ServingRuntime"],
     }[overlay]
     assert kinds == want
     for d in docs:
@@ -122,14 +123,21 @@ def test_validation_catches_a_typo():
         check_kserve(isvc, "V1beta1InferenceService", "InferenceService")
 
 
-@pytest.mark.parametrize("kind, path", [("InferenceService", "base/sizing.yaml"), ("Deployment", "plain/sizing.yaml")])
-def test_sizing_patches_match_the_shipped_config(kind, path):
+@pytest.mark.parametrize(
+    "kind, door, path",
+    [
+        ("InferenceService", "torchserve", "base/sizing.yaml"),
+        ("Deployment", "torchserve", "plain/sizing.yaml"),
+        ("InferenceService", "kserve", "kserve-door/sizing.yaml"),
+    ],
+)
+def test_sizing_patches_match_the_shipped_config(kind, door, path):
     """Resources and probe timings come from scripts/sizing.py for model-config.yaml."""
     from scripts import kserve_deploy
 
-    fresh = kserve_deploy.sizing_patch(ROOT / "model-config.yaml", kind)
+    fresh = kserve_deploy.sizing_patch(ROOT / "model-config.yaml", kind, door=door)
     assert (DEPLOY / path).read_text() == fresh, (
-        f"regenerate {path}: python scripts/kserve_deploy.py sizing --kind {kind}"
+        f"regenerate {path}: python scripts/kserve_deploy.py sizing --kind {kind} --door {door}"
     )
     startup = yaml.safe_load(fresh)["spec"]
     top = yaml.safe_load((ROOT / "model-config.yaml").read_text())
@@ -157,3 +165,49 @@ def test_layout_properties_are_what_the_runtime_reads(tmp_path):
     version = snapshot["models"]["dlrm"]["1.0"]
     assert version["marName"] == "dlrm.mar" and version["batchSize"] == 32 and version["maxBatchDelay"] == 7
     assert "service_envelope" not in props
+
+
+def test_the_second_doors_runtime_runs_the_images_kserve_command_on_its_ports():
+    """deploy/kserve/kserve-door: the image's `kserve` command (scripts/container_entrypoint.py) on
+    the layout's archive, REST and gRPC on the ports the runtime declares (gRPC's named h2c, as
+    KServe routes grpc-v2), probes on those ports and kserve's health paths, base's securityContext."""
+    import tomllib
+
+    from scripts import container_entrypoint
+
+    docs = {d["kind"]: d for d in render("kserve-door")}
+    runtime, isvc = docs["ServingRuntime"], docs["InferenceService"]
+    (container,) = runtime["spec"]["containers"]
+    assert runtime["metadata"]["name"] == isvc["spec"]["predictor"]["model"]["runtime"] == "dlrm-kserve"
+    assert set(runtime["spec"]["protocolVersions"]) == {"v1", "v2", "grpc-v2"}
+    assert isvc["spec"]["predictor"]["model"]["modelFormat"]["name"] in {
+        f["name"] for f in runtime["spec"]["supportedModelFormats"]
+    }
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert list(ports) == ["http1", "h2c"], ports  # REST first: the port KServe's HTTP traffic takes
+    args = container["args"]
+    assert args[0] == "kserve"
+    options = dict(a.split("=", 1) for a in container_entrypoint.door_command(args[1:])[2:] if "=" in a)
+    assert options == {
+        "--model-path": "/mnt/models/model-store/dlrm.mar",
+        "--http-port": str(ports["http1"]),
+        "--grpc-port": str(ports["h2c"]),
+    }, options
+    model = isvc["spec"]["predictor"]["model"]
+    paths = {}
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert model[probe]["httpGet"]["port"] == ports["http1"], probe
+        paths[probe] = model[probe]["httpGet"]["path"]
+    assert paths == {
+        "startupProbe": "/v2/health/live",
+        "livenessProbe": "/v2/health/live",
+        "readinessProbe": "/v2/models/dlrm/ready",
+    }
+    base = next(d for d in render("cpu") if d["kind"] == "ServingRuntime")["spec"]["containers"][0]
+    assert container["securityContext"] == base["securityContext"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["runAsUser"] == 1000
+    assert container["volumeMounts"] == base["volumeMounts"] and container["image"] == base["image"]
+    # the image installs the door extra's kserve; the tests run against the test extra's: one version
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert set(extras["door"]) <= set(extras["test"]), extras["door"]
