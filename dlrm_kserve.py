@@ -30,12 +30,14 @@ import argparse
 import asyncio
 import atexit
 import logging
+import os
 import shutil
 import sys
 import tempfile
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -44,12 +46,14 @@ import torch
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from grpc_interceptor.exceptions import Internal, ResourceExhausted, Unavailable
 from kserve import InferOutput, InferRequest, InferResponse, Model, ModelServer, model_server
 from kserve.errors import InvalidInput, ModelNotReady
 from kserve.model_repository import ModelRepository
+from prometheus_client import Counter, Histogram
 
 from dlrmkit.config import DLRMConfig
-from dlrmkit.errors import RequestError, ServerError
+from dlrmkit.errors import Busy, OutOfMemory, RequestError, ServerError
 from dlrmkit.protocols import BINARY_HEADER, OUTPUT, model_metadata, open_request
 from dlrmkit.worker import DELTA_HEADER, Worker, form_post, read_model_dir
 
@@ -57,6 +61,83 @@ logger = logging.getLogger(__name__)
 
 FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
 DOORS: dict[str, DLRMDoor] = {}  # this process's loaded models by name, for the kit's routes
+QUEUE_BATCHES = 4  # requests waiting for the scoring thread, at most: this many batches' worth (batchSize each)
+
+# On kserve's /metrics (prometheus_client's default registry), per process: a scrape reaches one
+# process, ``pid`` says which (with --workers N each REST process keeps its own counts).
+BATCH_REQUESTS = Histogram(
+    "dlrm_door_batch_requests",
+    "Requests scored together in one call of the worker (one batch of the KServe door)",
+    ["pid"],
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+)
+QUEUE_FULL = Counter("dlrm_door_queue_full", "Requests answered 503 because the door's queue was full", ["pid"])
+
+# One request's outcome from a batch: its reply, its error or None, the delta sequence, its scores
+Result = tuple[Any, RequestError | None, int | None, Any]
+
+
+class Batcher:
+    """Requests waiting for the scoring thread, grouped as TorchServe groups its queue.
+
+    ``submit`` queues one opened request (with the door's own error for it, if any) and waits for
+    its result. One loop takes the first request waiting, then whatever else is queued, at most
+    ``batch_size`` requests, and hands them to ``run`` in one call on ``pool`` (the scoring thread):
+    no wait for a batch to fill, so a lone request goes at once, and under load the requests queued
+    during one call are the next call's batch. The queue holds ``max_queued`` requests; one more is
+    refused at once (``Busy``: 503, gRPC UNAVAILABLE) instead of waiting without bound."""
+
+    def __init__(
+        self,
+        run: Callable[[Sequence[Any], dict[int, RequestError]], list[Result]],
+        pool: ThreadPoolExecutor,
+        batch_size: int,
+        max_queued: int,
+    ):
+        self.run, self.pool = run, pool
+        self.batch_size, self.max_queued = max(1, batch_size), max(1, max_queued)
+        self.queue: asyncio.Queue[tuple[Any, RequestError | None, asyncio.Future]] = asyncio.Queue(self.max_queued)
+        self.task: asyncio.Task | None = None
+        self.pid = str(os.getpid())
+
+    async def submit(self, req: Any, error: RequestError | None = None) -> Result:
+        loop = asyncio.get_running_loop()
+        if self.task is None or self.task.done():
+            self.task = loop.create_task(self._serve(), name="dlrm-batcher")
+        future = loop.create_future()
+        try:
+            self.queue.put_nowait((req, error, future))
+        except asyncio.QueueFull:
+            QUEUE_FULL.labels(self.pid).inc()
+            raise Busy(
+                f"the server is busy: {self.max_queued} requests are already waiting to be scored; retry later"
+            ) from None
+        return await future
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            items = [await self.queue.get()]
+            while len(items) < self.batch_size and not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            items = [item for item in items if not item[2].done()]  # a client that went away: not scored
+            if not items:
+                continue
+            errors = {i: e for i, (_, e, _) in enumerate(items) if e is not None}
+            BATCH_REQUESTS.labels(self.pid).observe(len(items))
+            try:
+                results = await loop.run_in_executor(self.pool, self.run, [r for r, _, _ in items], errors)
+            except Exception as e:  # the server's fault: every request of this call fails, the next call is served
+                if not isinstance(e, ServerError):
+                    logger.exception("scoring a batch of %d requests failed", len(items))
+                    e = ServerError(f"Internal error scoring a batch: {type(e).__name__}")
+                for _, _, future in items:
+                    if not future.done():
+                        future.set_exception(e)
+                continue
+            for (_, _, future), result in zip(items, results):
+                if not future.done():
+                    future.set_result(result)
 
 
 def model_dir(path: str | Path) -> tuple[Path, Path | None]:
@@ -81,11 +162,17 @@ class DLRMDoor(Model):
         self.dir, self._tmp = model_dir(path)
         self.manifest, self.model_yaml = read_model_dir(self.dir)
         self.config = DLRMConfig.from_dict(self.model_yaml.get("handler"))  # fails early, naming the key
-        super().__init__(str(self.manifest.get("model", {}).get("modelName", "dlrm")))
+        model = self.manifest.get("model", {})
+        super().__init__(str(model.get("modelName", "dlrm")))
+        self.version = str(model.get("modelVersion", "1.0"))
+        # TorchServe's batchSize (its default 1): the most queued requests one call of the worker scores
+        self.batch_size = max(1, int(self.model_yaml.get("batchSize") or 1))
+        self.max_queued = QUEUE_BATCHES * self.batch_size
         self.worker: Worker | None = None
         # Scoring runs off the event loop, one call at a time (as one TorchServe worker), so health
         # checks and gRPC stay answered during a forward. OpenMP's thread count is per thread: set there.
         self.pool: ThreadPoolExecutor | None = None
+        self.batcher: Batcher | None = None
         atexit.register(self.stop)
 
     def load(self) -> bool:
@@ -93,6 +180,7 @@ class DLRMDoor(Model):
             worker = Worker()
             worker.load(self.dir, self.manifest, self.model_yaml, 0 if torch.cuda.is_available() else None, workers=1)
             self.pool = ThreadPoolExecutor(1, "dlrm-score", torch.set_num_threads, (worker.threads,))
+            self.batcher = Batcher(self._run, self.pool, self.batch_size, self.max_queued)
             self.worker = worker
         DOORS[self.name] = self
         self.ready = True
@@ -121,14 +209,21 @@ class DLRMDoor(Model):
     def get_output_types(self) -> list[dict]:
         return model_metadata(self.config)["outputs"]
 
-    async def score(self, req: Any, errors: dict[int, RequestError] | None = None):
-        """One opened request scored on the scoring thread: (its reply, its error or None, the delta sequence)."""
-        worker, pool = self.worker, self.pool
-        if worker is None or pool is None:
+    def _run(self, requests: Sequence[Any], errors: dict[int, RequestError]) -> list[Result]:
+        """One batch on the scoring thread: one ``Worker.score`` call, then each request's result."""
+        worker = self.worker
+        if worker is None:
+            raise ServerError(f"Model {self.name} was stopped")
+        data, sequence = worker.score(requests, errors)
+        return [(reply, err, sequence, data.scores.get(i)) for i, (reply, err) in enumerate(worker.replies(data))]
+
+    async def score(self, req: Any, error: RequestError | None = None) -> Result:
+        """One opened request, queued to be scored with the others waiting (``Batcher``): its reply,
+        its error or None, the delta sequence, its scores."""
+        batcher = self.batcher
+        if self.worker is None or batcher is None:
             raise ModelNotReady(self.name)
-        data, sequence = await asyncio.get_running_loop().run_in_executor(pool, worker.score, [req], errors)
-        reply, err = next(worker.replies(data))
-        return reply, err, sequence, data.scores.get(0)
+        return await batcher.submit(req, error)
 
     async def predict(self, payload: InferRequest, headers: dict | None = None) -> InferResponse:
         """gRPC ModelInfer (REST goes to the kit's routes): the tensors as the kit's v2 body."""
@@ -137,7 +232,14 @@ class DLRMDoor(Model):
             raise ModelNotReady(self.name)
         body, json_length = grpc_body(payload)
         req = open_request(body, True, json_length, worker.parser, worker.model_id)
-        reply, err, sequence, row_scores = await self.score(req)
+        try:
+            reply, err, sequence, row_scores = await self.score(req)
+        except Busy as e:
+            raise Unavailable(e.message) from None
+        except OutOfMemory as e:
+            raise ResourceExhausted(e.message) from None
+        except ServerError as e:
+            raise Internal(e.message) from None
         if err is not None:
             raise InvalidInput(err.message)  # INVALID_ARGUMENT, the kit's message naming the field
         scores = np.asarray(row_scores, dtype=np.float32).reshape(-1, 1)
@@ -185,19 +287,20 @@ async def kit_route(request: Request, model_name: str, model_version: str | None
     the kit's parsers; the answer as the TorchServe door gives it."""
     kserve_route = not request.url.path.startswith("/predictions/")
     door = DOORS.get(model_name)
-    if door is None or door.worker is None or (model_version is not None and model_version != door.worker.model_id[1]):
+    if door is None or (model_version is not None and model_version != door.version):
         message = f"Model with name {model_name}{f' version {model_version}' if model_version else ''} does not exist."
         return JSONResponse({"error": message}, 404)
     worker, h = door.worker, request.headers
+    if worker is None:
+        message = f"Model with name {model_name} is not ready."
+        return JSONResponse({"error": message} if kserve_route else {"code": 503, "message": message}, 503)
     content_type = h.get("content-type")
-    errors: dict[int, RequestError] | None = None
-    if (content_type or "").lower().startswith(FORM_TYPES):
-        errors = {0: form_post()}
+    error = form_post() if (content_type or "").lower().startswith(FORM_TYPES) else None
     body = await request.body()
     req = open_request(body or None, kserve_route, h.get(BINARY_HEADER), worker.parser, worker.model_id, content_type)
     try:
-        reply, err, sequence, _ = await door.score(req, errors)
-    except ServerError as e:  # the server's fault: this request fails with 507 / 500
+        reply, err, sequence, _ = await door.score(req, error)
+    except ServerError as e:  # the server's fault or a full queue: this request fails with 503 / 507 / 500
         body_ = (
             {"error": e.message} if kserve_route else {"code": e.status, "type": type(e).__name__, "message": e.message}
         )

@@ -5,12 +5,15 @@ request gets its own 400 / INVALID_ARGUMENT naming the field beside a good one t
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -24,6 +27,7 @@ from test_kserve_server import DTYPES, ROWS, TENSORS, V2_JSON, dense_binary, res
 pytestmark = pytest.mark.integration
 
 TOL = 1e-6
+BATCH = 8  # the archive's batchSize: the most queued requests one call of the worker scores
 
 
 @pytest.fixture(scope="module")
@@ -49,21 +53,16 @@ class Door:
         return self.log.read_text()[-4000:]
 
 
-@pytest.fixture(scope="module")
-def door(tmp_path_factory):
-    from scripts import build_mar
-
-    tmp = tmp_path_factory.mktemp("door")
-    config = tmp / "model-config.yaml"
-    config.write_text(yaml.safe_dump({"minWorkers": 1, "maxWorkers": 1, "handler": TINY}))
-    mar = build_mar.main(["--config", str(config), "--output-dir", str(tmp / "store"), "--force"])
+def start_door(tmp, model_path, *args: str, timeout: float = 180) -> Door:
+    """dlrm_kserve.py serving ``model_path`` (a .mar or a model directory) with ``args``, ready (its
+    REST readiness 200) or the test fails with the door's log."""
     http, grpc = free_port(), free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    log = tmp / "door.log"
+    log = tmp / f"door-{http}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "dlrm_kserve.py"), "--model-path", str(mar)]
-            + ["--http-port", str(http), "--grpc-port", str(grpc)],
+            [sys.executable, str(ROOT / "dlrm_kserve.py"), "--model-path", str(model_path)]
+            + ["--http-port", str(http), "--grpc-port", str(grpc), *args],
             cwd=tmp,
             env=env,
             stdout=out,
@@ -72,25 +71,48 @@ def door(tmp_path_factory):
         )
     srv = Door(proc, http, grpc, log)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + timeout
         while True:
             assert proc.poll() is None, f"the door exited ({proc.returncode}):\n{srv.tail()}"
             try:
                 if get(srv.url + "/v2/models/dlrm/ready", timeout=2)[0] == 200:
-                    break
+                    return srv
             except OSError:
                 pass
-            assert time.monotonic() < deadline, f"the door was not ready in 120 s:\n{srv.tail()}"
+            assert time.monotonic() < deadline, f"the door was not ready in {timeout:.0f} s:\n{srv.tail()}"
             time.sleep(0.3)
+    except BaseException:
+        stop_door(srv)
+        raise
+
+
+def stop_door(srv: Door) -> None:
+    srv.proc.terminate()
+    try:
+        srv.proc.wait(60)
+    except subprocess.TimeoutExpired:
+        srv.proc.kill()
+        srv.proc.wait()
+
+
+def build(tmp, handler: dict | None = None, **config):
+    """The tiny archive (build_mar.py) with ``handler`` (TINY's by default) and model-config ``config``."""
+    from scripts import build_mar
+
+    path = tmp / "model-config.yaml"
+    path.write_text(yaml.safe_dump({"minWorkers": 1, "maxWorkers": 1, **config, "handler": handler or TINY}))
+    return build_mar.main(["--config", str(path), "--output-dir", str(tmp / "store"), "--force"])
+
+
+@pytest.fixture(scope="module")
+def door(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("door")
+    srv = start_door(tmp, build(tmp, batchSize=BATCH))
+    try:
         yield srv
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode is not None
+        stop_door(srv)
+    assert srv.proc.returncode is not None
 
 
 def triton_http(srv, binary: bool, tensors=TENSORS):
@@ -269,6 +291,100 @@ def test_bad_requests_get_400_naming_the_field_beside_a_good_one(door, reference
     status, raw, _ = results["good"]
     assert status == 200 and np.abs(np.array(json.loads(raw)["predictions"]) - reference).max() <= TOL
     assert np.abs(np.asarray(results["good_grpc"]) - reference).max() <= TOL
+
+
+def batches(srv) -> dict[str, tuple[float, float, float]]:
+    """The door's dlrm_door_batch_requests histogram from its /metrics, per process (pid): (batches,
+    batches of one request, requests)."""
+    _, text, _ = get(srv.url + "/metrics")
+    seen: dict[str, dict[str, float]] = {}
+    for line in text.decode().splitlines():
+        m = re.match(r"dlrm_door_batch_requests_(count|sum|bucket)\{(.*)\} (\S+)$", line)
+        if m and (m.group(1) != "bucket" or 'le="1.0"' in m.group(2)):
+            pid = re.search(r'pid="(\d+)"', m.group(2)).group(1)  # type: ignore[union-attr]
+            seen.setdefault(pid, {})[m.group(1)] = float(m.group(3))
+    return {pid: (v.get("count", 0), v.get("bucket", 0), v.get("sum", 0)) for pid, v in seen.items()}
+
+
+def concurrently(srv, reference, n: int = 24) -> tuple[int, int]:
+    """``n`` requests at once, every third a bad one: each gets its own answer (a good one the
+    reference's scores, a bad one its 400 naming the field). Returns (batches, batches of more than
+    one request) the door scored them in, from its /metrics (summed over its processes)."""
+    good = json.dumps({"instances": ROWS}).encode()
+    bad = json.dumps({"instances": [ROWS[0], instance([])]}).encode()
+    before = batches(srv)
+    with ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(lambda i: rest(srv, "/v1/models/dlrm:predict", bad if i % 3 == 0 else good), range(n)))
+    for i, (status, raw, _) in enumerate(results):
+        if i % 3 == 0:
+            assert (status, json.loads(raw)) == (400, {"error": "instances[1].dense: expected 5 numbers, got 0"}), raw
+        else:
+            assert status == 200 and np.abs(np.array(json.loads(raw)["predictions"]) - reference).max() <= TOL, raw
+    after = batches(srv)
+    delta = [np.subtract(after[p], before.get(p, (0, 0, 0))) for p in after]
+    assert sum(d[2] for d in delta) == n, (before, after)  # every request scored once, in some batch
+    return int(sum(d[0] for d in delta)), int(sum(d[0] - d[1] for d in delta))
+
+
+def test_queued_requests_are_scored_together_each_answered_alone(door, reference):
+    """Requests that queue while a batch is scored are the next call's batch (at most batchSize):
+    each still gets its own answer. Rounds until one batch held several requests (bounded)."""
+    deadline = time.monotonic() + 60
+    while True:
+        scored, grouped = concurrently(door, reference)
+        if grouped:
+            break
+        assert time.monotonic() < deadline, f"no batch of more than one request in 60 s ({scored} batches)"
+    assert scored < 24
+    status, body, _ = get(door.url + "/metrics")
+    assert status == 200 and b'dlrm_door_queue_full_total{pid="' not in body  # nothing refused at 24 < 4 x 8
+
+
+def test_a_full_queue_answers_busy_at_once_and_errors_stay_per_request():
+    """The door's Batcher with a fake worker: batches of at most batch_size taken from the queue; a
+    request beyond max_queued refused at once with Busy (503; gRPC UNAVAILABLE); a request's own
+    error stays its own; a failed call fails its requests only."""
+    from dlrm_kserve import Batcher
+    from dlrmkit.errors import BadRequest, Busy, OutOfMemory
+
+    started, release = threading.Event(), threading.Event()
+    calls: list = []
+
+    def run(reqs, errors):
+        calls.append((list(reqs), dict(errors)))
+        started.set()
+        assert release.wait(30)
+        if "boom" in reqs:
+            raise OutOfMemory("Out of memory scoring a batch of 9 rows")
+        return [(r, errors.get(i), 7, None) for i, r in enumerate(reqs)]
+
+    err = BadRequest("body: expected JSON")
+
+    async def scenario():
+        with ThreadPoolExecutor(1) as pool:
+            batcher = Batcher(run, pool, batch_size=2, max_queued=3)
+            first = asyncio.ensure_future(batcher.submit("a"))
+            deadline = time.monotonic() + 30
+            while not started.is_set():  # "a" is being scored: what follows waits in the queue
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            queued = [asyncio.ensure_future(batcher.submit(r, err if r == "c" else None)) for r in "bcd"]
+            await asyncio.sleep(0)
+            with pytest.raises(Busy, match="3 requests are already waiting to be scored"):
+                await batcher.submit("e")
+            release.set()
+            done = await asyncio.gather(first, *queued)
+            boom = await asyncio.gather(batcher.submit("boom"), return_exceptions=True)
+            after = await batcher.submit("f")
+        return done, boom, after
+
+    done, boom, after = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert done == [("a", None, 7, None), ("b", None, 7, None), ("c", err, 7, None), ("d", None, 7, None)]
+    assert [c[0] for c in calls] == [["a"], ["b", "c"], ["d"], ["boom"], ["f"]]
+    assert calls[1][1] == {1: err}
+    assert isinstance(boom[0], OutOfMemory) and boom[0].status == 507
+    assert after == ("f", None, 7, None)
+    assert Busy("x").status == 503
 
 
 def test_the_repository_routes_are_refused_and_the_model_stays(door):
