@@ -19,9 +19,18 @@ What it answers (docs/kserve-door.md):
 * kserve's health and metadata: ``/v2/health/live``, ``/v2/models/<m>/ready`` (the model's real
   state), ``GET /v2/models/<m>`` (the inputs the TorchServe door declares), ``/metrics``.
 
-A bad request gets 400 (413 when too large) and the kit's error body naming the field; over gRPC
-INVALID_ARGUMENT with the same message. kserve's unauthenticated repository routes (load and
-unload, REST and gRPC) are refused. One process for now: ``--workers`` above 1 is refused.
+Requests wait in one bounded queue and are scored in batches, as TorchServe batches its queue: one
+call of the worker takes what is waiting, at most the model config's ``batchSize``, with no wait to
+fill a batch. A bad request gets 400 (413 when too large) and the kit's error body naming the field,
+its neighbours in the batch their scores; over gRPC INVALID_ARGUMENT with the same message. A full
+queue (4 x batchSize requests waiting) answers 503 at once (gRPC UNAVAILABLE). kserve's
+unauthenticated repository routes (load and unload, REST and gRPC) are refused.
+
+``--workers N``: N REST processes (kserve's, spawned), each loading the model from the same
+directory (tables memory-mapped: one copy in the page cache) and answering 503 until loaded; gRPC
+is served by the server's own process. Unset, it follows the TorchServe door's CPU rule: the model
+config's maxWorkers, else one process per CPU (per handler.torch_threads CPUs when set), torch
+threads per process from the same rule. With handler.delta_dir every process follows the deltas.
 """
 
 from __future__ import annotations
@@ -34,6 +43,8 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
+import time
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -50,14 +61,16 @@ from grpc_interceptor.exceptions import Internal, ResourceExhausted, Unavailable
 from kserve import InferOutput, InferRequest, InferResponse, Model, ModelServer, model_server
 from kserve.errors import InvalidInput, ModelNotReady
 from kserve.model_repository import ModelRepository
+from kserve.protocol.rest.multiprocess import server as rest_processes
 from prometheus_client import Counter, Histogram
 
 from dlrmkit.config import DLRMConfig
+from dlrmkit.cpus import available_cpus, cpu_rule
 from dlrmkit.errors import Busy, OutOfMemory, RequestError, ServerError
 from dlrmkit.protocols import BINARY_HEADER, OUTPUT, model_metadata, open_request
 from dlrmkit.worker import DELTA_HEADER, Worker, form_post, read_model_dir
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("dlrm_kserve")  # also in kserve's spawned REST processes (there __mp_main__)
 
 FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
 DOORS: dict[str, DLRMDoor] = {}  # this process's loaded models by name, for the kit's routes
@@ -156,15 +169,21 @@ def model_dir(path: str | Path) -> tuple[Path, Path | None]:
 
 class DLRMDoor(Model):
     """One archive's model in KServe's model server. ``load`` is idempotent and cheap once loaded
-    (kserve's gRPC ModelInfer calls it again whenever ``healthy()`` is False)."""
+    (kserve's gRPC ModelInfer calls it again whenever ``healthy()`` is False).
 
-    def __init__(self, path: str | Path):
+    With ``--workers N`` kserve pickles the door into each of its N REST processes (spawned): the
+    copy carries the model directory, not the loaded model; each process loads its own (``load`` in
+    a thread at unpickling, so kserve's liveness pings are answered meanwhile) and answers 503
+    until it has. The tables are memory-mapped from the same files, shared through the page cache."""
+
+    def __init__(self, path: str | Path, workers: int = 1):
         self.dir, self._tmp = model_dir(path)
         self.manifest, self.model_yaml = read_model_dir(self.dir)
         self.config = DLRMConfig.from_dict(self.model_yaml.get("handler"))  # fails early, naming the key
         model = self.manifest.get("model", {})
         super().__init__(str(model.get("modelName", "dlrm")))
         self.version = str(model.get("modelVersion", "1.0"))
+        self.workers = workers  # the server's REST processes: the CPU rule's share of torch threads
         # TorchServe's batchSize (its default 1): the most queued requests one call of the worker scores
         self.batch_size = max(1, int(self.model_yaml.get("batchSize") or 1))
         self.max_queued = QUEUE_BATCHES * self.batch_size
@@ -173,15 +192,40 @@ class DLRMDoor(Model):
         # checks and gRPC stay answered during a forward. OpenMP's thread count is per thread: set there.
         self.pool: ThreadPoolExecutor | None = None
         self.batcher: Batcher | None = None
+        if self._tmp is not None:  # the unpacked .mar: removed by this process only, at its exit, after stop
+            atexit.register(shutil.rmtree, self._tmp, True)
         atexit.register(self.stop)
+
+    def __getstate__(self) -> dict:
+        """A copy for a spawned REST process: the model directory, not what this process loaded."""
+        state = self.__dict__.copy()
+        state.update(worker=None, pool=None, batcher=None, ready=False, _tmp=None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        DOORS[self.name] = self  # the kit's routes answer 503 until loaded, not 404
+        atexit.register(self.stop)
+        threading.Thread(target=self._load_here, name="dlrm-load", daemon=True).start()
+
+    def _load_here(self) -> None:
+        say_how()
+        try:
+            self.load()
+        except Exception:
+            logger.exception(
+                "process %d could not load model %s from %s: it answers 503", os.getpid(), self.name, self.dir
+            )
 
     def load(self) -> bool:
         if self.worker is None:
             worker = Worker()
-            worker.load(self.dir, self.manifest, self.model_yaml, 0 if torch.cuda.is_available() else None, workers=1)
+            device = 0 if torch.cuda.is_available() else None
+            worker.load(self.dir, self.manifest, self.model_yaml, device, workers=self.workers)
             self.pool = ThreadPoolExecutor(1, "dlrm-score", torch.set_num_threads, (worker.threads,))
             self.batcher = Batcher(self._run, self.pool, self.batch_size, self.max_queued)
             self.worker = worker
+            logger.info("process %d serves model %s", os.getpid(), self.name)
         DOORS[self.name] = self
         self.ready = True
         return True
@@ -199,9 +243,6 @@ class DLRMDoor(Model):
             pool.shutdown(wait=True)
         if worker is not None:
             worker.close()
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp = None
 
     def get_input_types(self) -> list[dict]:
         return model_metadata(self.config)["inputs"]
@@ -354,6 +395,32 @@ class DoorServer(ModelServer):
         super().stop(sig)
 
 
+class PatientProcess(rest_processes.RESTServerProcess):
+    """kserve's REST process (--workers N), given time to start. kserve pings each process every
+    0.5 s and kills one that does not answer within 5 s; a spawned process can answer only once it
+    has imported this file (torch, kserve: ~4 s on an idle 2-CPU machine), so on a busy machine kserve
+    killed new processes and spawned others (seen: each of two killed once). Until a process first
+    answers (at most STARTUP_S) a missed answer does not count; after, kserve's rule holds."""
+
+    STARTUP_S = 300.0
+
+    def start(self) -> None:
+        self._born, self._pinged, self._answered = time.monotonic(), False, False
+        super().start()
+
+    def is_alive(self, timeout: float = 5) -> bool:
+        if self._answered or not self._process.is_alive():
+            return super().is_alive(timeout)
+        if not self._pinged:
+            self._parent_conn.send(b"ping")
+            self._pinged = True
+        if self._parent_conn.poll(0):  # never blocks kserve's event loop (gRPC) while a process starts
+            self._parent_conn.recv()
+            self._answered = True
+            return True
+        return time.monotonic() - self._born < self.STARTUP_S
+
+
 def register_routes(app=model_server.app) -> None:
     """The kit's routes on kserve's app, before kserve adds its own in ``start`` (module level: a
     spawned worker process re-imports this file and needs them too)."""
@@ -372,6 +439,24 @@ def register_routes(app=model_server.app) -> None:
 register_routes()
 
 
+def default_workers(model_yaml: dict, config: DLRMConfig) -> int:
+    """The TorchServe door's CPU rule (dlrmkit.cpus): the model config's maxWorkers when it pins
+    them, else one process per handler.torch_threads CPUs when those are set, else one per CPU."""
+    if model_yaml.get("maxWorkers"):
+        return max(1, int(model_yaml["maxWorkers"]))
+    cpus = available_cpus()
+    if config.threads.torch_threads:
+        return max(1, cpus // config.threads.torch_threads)
+    return cpu_rule(cpus).workers
+
+
+def say_how() -> None:
+    """The kit's own lines (DLRM loaded ..., rejected request ...) beside kserve's, which configures
+    only its own; in the server and in each REST process. ``force``: an import has already given
+    the root logger a handler at WARNING, which would drop them."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         description=__doc__,
@@ -381,21 +466,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model-path", required=True, help="a .mar or a model directory (scripts/build_mar.py)")
     ap.add_argument("--http-port", dest="http_port", type=int, default=8080, help="REST port (default: %(default)s)")
     ap.add_argument("--grpc-port", dest="grpc_port", type=int, default=8081, help="gRPC port (default: %(default)s)")
-    # --workers is kserve's own flag (server processes): only 1 for now
+    # --workers is kserve's own flag (REST processes); unset, it follows the CPU rule (default_workers)
+    ap.set_defaults(workers=None)
     args = ap.parse_args(argv)
-    if args.workers != 1:
-        sys.exit(
-            f"error: --workers {args.workers}: this door serves from one process for now (several need the "
-            "model handed to kserve's spawned REST processes); run more pods, or TorchServe for workers"
-        )
-    # The kit's own lines (DLRM loaded ..., rejected request ...) beside kserve's, which configures only its own
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.workers is not None and args.workers < 1:
+        sys.exit(f"error: --workers {args.workers}: give 1 or more REST processes (unset: one per CPU)")
+    say_how()
     door = DLRMDoor(args.model_path)
-    door.load()  # kserve registers only models that are ready
+    door.workers = args.workers or default_workers(door.model_yaml, door.config)
+    door.load()  # kserve registers only models that are ready; with --workers N, gRPC's model
+    logger.info("serving %s with %d REST process(es)", door.name, door.workers)
+    rest_processes.RESTServerProcess = PatientProcess  # type: ignore[misc]  # kserve makes them by this name
     DoorServer(
         http_port=args.http_port,
         grpc_port=args.grpc_port,
-        workers=1,
+        workers=door.workers,
         registered_models=PinnedRepository(),
         enable_grpc=args.enable_grpc,
     ).start([door])

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -20,7 +21,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, TINY
-from helpers import instance
+from helpers import instance, wait_until
 from scripts.tsctl import free_port, get, request
 from test_kserve_server import DTYPES, ROWS, TENSORS, V2_JSON, dense_binary, rest  # the TorchServe door's
 
@@ -397,17 +398,126 @@ def test_the_repository_routes_are_refused_and_the_model_stays(door):
     assert seen["ready"]
 
 
-def test_the_command_says_how_and_refuses_several_workers():
+def test_the_command_says_how():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run(
-        [sys.executable, str(ROOT / "dlrm_kserve.py"), "--model-path", "x.mar", "--workers", "2"],
+        [sys.executable, str(ROOT / "dlrm_kserve.py"), "--model-path", "x.mar", "--workers", "0"],
         capture_output=True,
         text=True,
         timeout=120,
         env=env,
     )
-    assert run.returncode == 1 and "error: --workers 2: this door serves from one process" in run.stderr, run.stderr
+    assert run.returncode == 1 and "error: --workers 0: give 1 or more REST processes" in run.stderr, run.stderr
     run = subprocess.run(
         [sys.executable, str(ROOT / "dlrm_kserve.py"), "--help"], capture_output=True, text=True, timeout=120, env=env
     )
     assert run.returncode == 0 and "--model-path" in run.stdout and "--grpc-port" in run.stdout, run.stderr
+    assert "--workers N" in run.stdout and "one process per CPU" in run.stdout
+
+
+def test_workers_default_to_the_cpu_rule(monkeypatch):
+    import dlrm_kserve
+    from dlrmkit.config import DLRMConfig
+
+    monkeypatch.setattr(dlrm_kserve, "available_cpus", lambda: 4)
+    assert dlrm_kserve.default_workers({}, DLRMConfig.from_dict(TINY)) == 4  # one per CPU
+    assert dlrm_kserve.default_workers({}, DLRMConfig.from_dict({**TINY, "torch_threads": 2})) == 2
+    assert dlrm_kserve.default_workers({"maxWorkers": 3}, DLRMConfig.from_dict(TINY)) == 3  # pinned
+
+
+# --- several processes (--workers 2), following live deltas ------------------------------------
+
+
+def family(pid: int) -> dict[int, str]:
+    """The live descendants of ``pid`` (from /proc): {pid: command line}."""
+    parents: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = open(f"/proc/{d}/stat").read()
+                state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+                if state != "Z":
+                    parents[int(d)] = int(ppid)
+            except (OSError, ValueError):
+                pass
+    out, todo = {}, [pid]
+    while todo:
+        p = todo.pop()
+        for child, parent in parents.items():
+            if parent == p and child not in out:
+                try:
+                    out[child] = open(f"/proc/{child}/cmdline").read().replace("\0", " ")
+                except OSError:
+                    continue
+                todo.append(child)
+    return out
+
+
+def running(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def rest_processes(srv) -> list[int]:
+    """kserve's spawned REST processes of the door."""
+    return sorted(p for p, cmd in family(srv.proc.pid).items() if "multiprocessing.spawn" in cmd)
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    """A model directory (the unpacked .mar, int8 tables) following a delta directory, served by
+    --workers 2: two REST processes and the server's own (gRPC). Yields (door, references, base, dir)."""
+    from test_delta_server import REQUESTS, DeltaReferences
+
+    tmp = tmp_path_factory.mktemp("door-workers")
+    handler = {**TINY, "embedding_dtype": "int8", "delta_dir": str(tmp / "deltas"), "delta_poll_s": 0.05}
+    mar = build(tmp, handler, batchSize=BATCH)
+    model = tmp / "model"
+    with zipfile.ZipFile(mar) as z:
+        z.extractall(model)
+        base = z.read("delta-base.txt").decode().strip()
+    refs = DeltaReferences(mar, handler, tmp / "deltas", [*REQUESTS, json.dumps({"instances": ROWS}).encode()])
+    srv = start_door(tmp, model, "--workers", "2")
+    try:
+        # each REST process loads its own model (503 until then): wait for the three "serves" lines
+        wait_until(srv.tail, lambda log: len(re.findall(r"process \d+ serves model dlrm", log)) >= 3, timeout=180)
+        yield srv, refs, base, model
+    finally:
+        stop_door(srv)
+
+
+def test_several_processes_answer_rest_and_the_server_grpc(workers):
+    srv, refs, _, _ = workers
+    log = srv.log.read_text()
+    assert "serving dlrm with 2 REST process(es)" in log and "died" not in log, srv.tail()
+    children = rest_processes(srv)
+    assert len(children) == 2, family(srv.proc.pid)
+    expected = np.asarray(refs.scores[0][-1])
+    good = json.dumps({"instances": ROWS}).encode()
+    seen: dict[str, float] = {}  # batches scored per process, from its /metrics (a scrape reaches one)
+    deadline = time.monotonic() + 120
+    while not all(seen.get(str(p), 0) > 0 for p in children):
+        assert time.monotonic() < deadline, (seen, children)
+        with ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(lambda _: rest(srv, "/v1/models/dlrm:predict", good), range(32)))
+        for status, raw, _ in results:
+            assert status == 200 and np.abs(np.array(json.loads(raw)["predictions"]) - expected).max() <= TOL, raw
+        for _ in range(10):
+            seen.update({p: v[0] for p, v in batches(srv).items()})
+    grpc = grpc_result(grpc_check(srv, "forms"))
+    assert np.abs(np.asarray(grpc["raw"]["scores"])[:, 0] - expected).max() <= TOL
+    assert rest_processes(srv) == children  # none restarted
+
+
+def test_sigterm_stops_every_process(workers):
+    """Last on this server: SIGTERM to the server stops its REST processes, the live writer, kserve's
+    resource tracker; nothing is left (no orphans)."""
+    srv = workers[0]
+    left = family(srv.proc.pid)
+    assert len(left) >= 3, left  # two REST processes and the live writer at least
+    srv.proc.terminate()
+    srv.proc.wait(90)
+    alive = wait_until(lambda: [p for p in left if running(p)], lambda a: not a, timeout=60)
+    assert not alive, {p: left[p] for p in alive}
