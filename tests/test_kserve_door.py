@@ -482,7 +482,8 @@ def workers(tmp_path_factory):
     srv = start_door(tmp, model, "--workers", "2")
     try:
         # each REST process loads its own model (503 until then): wait for the three "serves" lines
-        wait_until(srv.tail, lambda log: len(re.findall(r"process \d+ serves model dlrm", log)) >= 3, timeout=180)
+        log = wait_until(srv.log.read_text, lambda t: len(re.findall(r"process \d+ serves model dlrm", t)) >= 3, 180)
+        assert len(re.findall(r"process \d+ serves model dlrm", log)) >= 3, srv.tail()
         yield srv, refs, base, model
     finally:
         stop_door(srv)
@@ -509,6 +510,42 @@ def test_several_processes_answer_rest_and_the_server_grpc(workers):
     grpc = grpc_result(grpc_check(srv, "forms"))
     assert np.abs(np.asarray(grpc["raw"]["scores"])[:, 0] - expected).max() <= TOL
     assert rest_processes(srv) == children  # none restarted
+
+
+def delta_states(model) -> dict[int, int]:
+    """Each process's applied delta sequence, from its state file (<model dir>/delta-state/<pid>.json)."""
+    out = {}
+    for f in (model / "delta-state").glob("*.json"):
+        try:
+            out[int(f.stem)] = json.loads(f.read_text())["sequence"]
+        except (OSError, ValueError, KeyError):
+            pass
+    return out
+
+
+def test_a_delta_reaches_every_process_rest_and_grpc(workers):
+    """A delta published to handler.delta_dir is applied by the server process and both REST
+    processes (one writer, dlrmkit/live/): REST answers carry X-Delta-Sequence 1 and the delta's
+    scores, gRPC answers the parameter delta_sequence 1 and the delta's scores."""
+    from dlrmkit.live import write_delta
+    from test_delta_server import REQUESTS, rows_delta
+
+    srv, refs, base, model = workers
+    processes = [srv.proc.pid, *rest_processes(srv)]
+    assert wait_until(lambda: delta_states(model), lambda s: all(s.get(p) == 0 for p in processes), 60)
+    write_delta(refs.applier.directory, "dlrm", base, 1, rows_delta(1))
+    assert refs.follow() == 1 and refs.scores[1] != refs.scores[0]
+    states = wait_until(lambda: delta_states(model), lambda s: all(s.get(p) == 1 for p in processes), 60)
+    assert all(states.get(p) == 1 for p in processes), (states, processes)
+    calls = [i % len(REQUESTS) for i in range(30)]  # each probe many times: every REST process answers some
+    with ThreadPoolExecutor(10) as pool:
+        results = list(pool.map(lambda i: rest(srv, "/predictions/dlrm", REQUESTS[i]), calls))
+    for i, (status, raw, headers) in zip(calls, results):
+        got = json.loads(raw)["scores"] if status == 200 else raw
+        assert status == 200 and headers["x-delta-sequence"] == "1" and refs.sequences(i, got) == [1], (i, got)
+    grpc = grpc_result(grpc_check(srv, "delta"))
+    assert grpc["delta_sequence"] == 1, grpc
+    assert refs.sequences(len(REQUESTS), grpc["scores"]) == [1], (grpc, refs.scores[1][-1])
 
 
 def test_sigterm_stops_every_process(workers):
