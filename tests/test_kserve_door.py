@@ -54,7 +54,7 @@ class Door:
         return self.log.read_text()[-4000:]
 
 
-def start_door(tmp, model_path, *args: str, timeout: float = 180) -> Door:
+def start_door(tmp, model_path, *args: str, timeout: float = 180, model: str = "dlrm") -> Door:
     """dlrm_kserve.py serving ``model_path`` (a .mar or a model directory) with ``args``, ready (its
     REST readiness 200) or the test fails with the door's log."""
     http, grpc = free_port(), free_port()
@@ -76,7 +76,7 @@ def start_door(tmp, model_path, *args: str, timeout: float = 180) -> Door:
         while True:
             assert proc.poll() is None, f"the door exited ({proc.returncode}):\n{srv.tail()}"
             try:
-                if get(srv.url + "/v2/models/dlrm/ready", timeout=2)[0] == 200:
+                if get(srv.url + f"/v2/models/{model}/ready", timeout=2)[0] == 200:
                     return srv
             except OSError:
                 pass
@@ -423,6 +423,40 @@ def test_workers_default_to_the_cpu_rule(monkeypatch):
     assert dlrm_kserve.default_workers({}, DLRMConfig.from_dict(TINY)) == 4  # one per CPU
     assert dlrm_kserve.default_workers({}, DLRMConfig.from_dict({**TINY, "torch_threads": 2})) == 2
     assert dlrm_kserve.default_workers({"maxWorkers": 3}, DLRMConfig.from_dict(TINY)) == 3  # pinned
+
+
+def test_a_build_big_model_directory_is_served_where_it_lies(tmp_path):
+    """A scripts/build_big.py model directory (int8 tables streamed to disk, no .mar) served as it
+    lies: its weights mapped from the directory, every answer equal to the in-process model's."""
+    from scripts import build_big
+    from dlrmkit.batch import collate, scores
+    from dlrmkit.config import DLRMConfig
+    from dlrmkit.forms import RequestParser
+    from dlrmkit.model import DLRMFactory
+    from test_delta_server import REQUESTS
+
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"batchSize": BATCH, "maxWorkers": 1, "handler": dict(TINY)}))
+    out = tmp_path / "store" / "big"
+    build_big.main(["--config", str(cfg), "--dtype", "int8", "--out", str(out)])
+    config = DLRMConfig.from_yaml(out / "model-config.yaml")
+    model = DLRMFactory(config).load(out / "dlrm.pt")
+    bodies = [*REQUESTS, json.dumps({"instances": ROWS}).encode()]
+    wants = [scores(model, collate([RequestParser(config).parse(b)], config)[0], config)[0] for b in bodies]
+    srv = start_door(tmp_path, out, model="big")
+    try:
+        assert str(out / "dlrm.pt") in open(f"/proc/{srv.proc.pid}/maps").read()
+        for body, want in zip(bodies, wants):
+            routes = [("/predictions/big", "scores")]
+            if b'"instances"' in body:  # KServe v1 takes instances only
+                routes.append(("/v1/models/big:predict", "predictions"))
+            for path, key in routes:
+                status, raw, _ = rest(srv, path, body)
+                assert status == 200, raw
+                assert np.abs(np.asarray(json.loads(raw)[key]) - np.asarray(want)).max() <= TOL, (path, raw, want)
+    finally:
+        stop_door(srv)
+    assert out.is_dir() and (out / "dlrm.pt").is_file()  # a model directory is never removed
 
 
 # --- several processes (--workers 2), following live deltas ------------------------------------
