@@ -23,14 +23,16 @@ Requests wait in one bounded queue and are scored in batches, as TorchServe batc
 call of the worker takes what is waiting, at most the model config's ``batchSize``, with no wait to
 fill a batch. A bad request gets 400 (413 when too large) and the kit's error body naming the field,
 its neighbours in the batch their scores; over gRPC INVALID_ARGUMENT with the same message. A full
-queue (4 x batchSize requests waiting) answers 503 at once (gRPC UNAVAILABLE). kserve's
+queue (4 x batchSize requests waiting) answers 503 at once (gRPC UNAVAILABLE). /metrics adds
+dlrm_door_batch_requests (requests per call) and dlrm_door_queue_full_total. kserve's
 unauthenticated repository routes (load and unload, REST and gRPC) are refused.
 
 ``--workers N``: N REST processes (kserve's, spawned), each loading the model from the same
 directory (tables memory-mapped: one copy in the page cache) and answering 503 until loaded; gRPC
 is served by the server's own process. Unset, it follows the TorchServe door's CPU rule: the model
 config's maxWorkers, else one process per CPU (per handler.torch_threads CPUs when set), torch
-threads per process from the same rule. With handler.delta_dir every process follows the deltas.
+threads per process from the same rule. With handler.delta_dir every process follows the deltas:
+REST answers carry X-Delta-Sequence, gRPC answers the parameter delta_sequence.
 """
 
 from __future__ import annotations
@@ -333,8 +335,9 @@ async def kit_route(request: Request, model_name: str, model_version: str | None
         return JSONResponse({"error": message}, 404)
     worker, h = door.worker, request.headers
     if worker is None:
-        message = f"Model with name {model_name} is not ready."
-        return JSONResponse({"error": message} if kserve_route else {"code": 503, "message": message}, 503)
+        message = f"Model with name {model_name} is not ready."  # this process is still loading it
+        loading = {"code": 503, "type": "ServiceUnavailable", "message": message}
+        return JSONResponse({"error": message} if kserve_route else loading, 503)
     content_type = h.get("content-type")
     error = form_post() if (content_type or "").lower().startswith(FORM_TYPES) else None
     body = await request.body()

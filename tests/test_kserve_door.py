@@ -388,6 +388,40 @@ def test_a_full_queue_answers_busy_at_once_and_errors_stay_per_request():
     assert Busy("x").status == 503
 
 
+def test_a_loading_process_and_a_full_queue_answer_503_at_once():
+    """The kit's routes in this process (kserve's app): a model still loading (a REST process of
+    --workers N) and a full queue answer 503 with a message, never wait."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+    from kserve import model_server
+
+    import dlrm_kserve
+    from dlrmkit.config import DLRMConfig
+    from dlrmkit.errors import Busy
+    from dlrmkit.forms import RequestParser
+
+    async def busy(req, error=None):
+        raise Busy("the server is busy: 32 requests are already waiting to be scored; retry later")
+
+    worker = SimpleNamespace(parser=RequestParser(DLRMConfig.from_dict(TINY)), model_id=("ghost", "1.0"))
+    client = TestClient(model_server.app)
+    body = json.dumps({"instances": ROWS})
+    try:
+        dlrm_kserve.DOORS["ghost"] = SimpleNamespace(worker=None, version="1.0")  # type: ignore[assignment]
+        answer = client.post("/v1/models/ghost:predict", content=body)
+        assert (answer.status_code, answer.json()) == (503, {"error": "Model with name ghost is not ready."})
+        answer = client.post("/predictions/ghost", content=body)
+        assert answer.status_code == 503 and answer.json()["message"] == "Model with name ghost is not ready."
+        dlrm_kserve.DOORS["ghost"] = SimpleNamespace(worker=worker, version="1.0", score=busy)  # type: ignore[assignment]
+        answer = client.post("/v2/models/ghost/infer", content=json.dumps(V2_JSON))
+        assert answer.status_code == 503 and answer.json()["error"].startswith("the server is busy: 32 requests")
+        answer = client.post("/v2/models/ghost/versions/2.0/infer", content=json.dumps(V2_JSON))
+        assert answer.status_code == 404
+    finally:
+        dlrm_kserve.DOORS.pop("ghost", None)
+
+
 def test_the_repository_routes_are_refused_and_the_model_stays(door):
     for verb in ("load", "unload"):
         status, body, _ = request("POST", f"{door.url}/v2/repository/models/dlrm/{verb}")
