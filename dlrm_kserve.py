@@ -48,9 +48,9 @@ import tempfile
 import threading
 import time
 import zipfile
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
