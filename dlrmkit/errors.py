@@ -80,6 +80,12 @@ class ServerError(RuntimeError):
         self.message = message
 
 
+class Busy(ServerError):
+    """503: the server's queue of requests waiting to be scored is full; the client may retry."""
+
+    status = 503
+
+
 class OutOfMemory(ServerError):
     """507: the forward ran out of memory (host or GPU)."""
 

@@ -1,6 +1,6 @@
 """tritonclient.grpc and Triton's own gRPC stubs against the KServe door, in a process of their own.
 
-    PYTHONPATH=tests python tests/door_grpc.py PORT CHECK        # CHECK: forms | health | bad | repository
+    PYTHONPATH=tests python tests/door_grpc.py PORT CHECK        # CHECK: forms | health | bad | delta | repository
 
 Triton's generated protos (tritonclient.grpc.service_pb2) and kserve's (kserve.protocol.grpc) both
 define the package ``inference`` in different files: one process cannot hold both in protobuf's
@@ -108,6 +108,14 @@ def bad(port: int) -> dict:
     return results
 
 
+def delta(port: int) -> dict:
+    """The two rows' scores and the answer's delta_sequence parameter (None when absent)."""
+    result = raw(port)
+    params = result.get_response().parameters
+    sequence = params["delta_sequence"].int64_param if "delta_sequence" in params else None
+    return {"scores": result.as_numpy("scores")[:, 0].tolist(), "delta_sequence": sequence}
+
+
 def repository(port: int) -> dict:
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
     try:
@@ -118,4 +126,8 @@ def repository(port: int) -> dict:
 
 if __name__ == "__main__":
     port, check = int(sys.argv[1]), sys.argv[2]
-    print(json.dumps({"forms": forms, "health": health, "bad": bad, "repository": repository}[check](port)))
+    print(
+        json.dumps(
+            {"forms": forms, "health": health, "bad": bad, "delta": delta, "repository": repository}[check](port)
+        )
+    )

@@ -5,25 +5,30 @@ request gets its own 400 / INVALID_ARGUMENT naming the field beside a good one t
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import yaml
 
 from conftest import ROOT, TINY
-from helpers import instance
+from helpers import instance, wait_until
 from scripts.tsctl import free_port, get, request
 from test_kserve_server import DTYPES, ROWS, TENSORS, V2_JSON, dense_binary, rest  # the TorchServe door's
 
 pytestmark = pytest.mark.integration
 
 TOL = 1e-6
+BATCH = 8  # the archive's batchSize: the most queued requests one call of the worker scores
 
 
 @pytest.fixture(scope="module")
@@ -49,21 +54,16 @@ class Door:
         return self.log.read_text()[-4000:]
 
 
-@pytest.fixture(scope="module")
-def door(tmp_path_factory):
-    from scripts import build_mar
-
-    tmp = tmp_path_factory.mktemp("door")
-    config = tmp / "model-config.yaml"
-    config.write_text(yaml.safe_dump({"minWorkers": 1, "maxWorkers": 1, "handler": TINY}))
-    mar = build_mar.main(["--config", str(config), "--output-dir", str(tmp / "store"), "--force"])
+def start_door(tmp, model_path, *args: str, timeout: float = 180, model: str = "dlrm") -> Door:
+    """dlrm_kserve.py serving ``model_path`` (a .mar or a model directory) with ``args``, ready (its
+    REST readiness 200) or the test fails with the door's log."""
     http, grpc = free_port(), free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    log = tmp / "door.log"
+    log = tmp / f"door-{http}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "dlrm_kserve.py"), "--model-path", str(mar)]
-            + ["--http-port", str(http), "--grpc-port", str(grpc)],
+            [sys.executable, str(ROOT / "dlrm_kserve.py"), "--model-path", str(model_path)]
+            + ["--http-port", str(http), "--grpc-port", str(grpc), *args],
             cwd=tmp,
             env=env,
             stdout=out,
@@ -72,25 +72,48 @@ def door(tmp_path_factory):
         )
     srv = Door(proc, http, grpc, log)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + timeout
         while True:
             assert proc.poll() is None, f"the door exited ({proc.returncode}):\n{srv.tail()}"
             try:
-                if get(srv.url + "/v2/models/dlrm/ready", timeout=2)[0] == 200:
-                    break
+                if get(srv.url + f"/v2/models/{model}/ready", timeout=2)[0] == 200:
+                    return srv
             except OSError:
                 pass
-            assert time.monotonic() < deadline, f"the door was not ready in 120 s:\n{srv.tail()}"
+            assert time.monotonic() < deadline, f"the door was not ready in {timeout:.0f} s:\n{srv.tail()}"
             time.sleep(0.3)
+    except BaseException:
+        stop_door(srv)
+        raise
+
+
+def stop_door(srv: Door) -> None:
+    srv.proc.terminate()
+    try:
+        srv.proc.wait(60)
+    except subprocess.TimeoutExpired:
+        srv.proc.kill()
+        srv.proc.wait()
+
+
+def build(tmp, handler: dict | None = None, **config):
+    """The tiny archive (build_mar.py) with ``handler`` (TINY's by default) and model-config ``config``."""
+    from scripts import build_mar
+
+    path = tmp / "model-config.yaml"
+    path.write_text(yaml.safe_dump({"minWorkers": 1, "maxWorkers": 1, **config, "handler": handler or TINY}))
+    return build_mar.main(["--config", str(path), "--output-dir", str(tmp / "store"), "--force"])
+
+
+@pytest.fixture(scope="module")
+def door(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("door")
+    srv = start_door(tmp, build(tmp, batchSize=BATCH))
+    try:
         yield srv
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode is not None
+        stop_door(srv)
+    assert srv.proc.returncode is not None
 
 
 def triton_http(srv, binary: bool, tensors=TENSORS):
@@ -271,6 +294,134 @@ def test_bad_requests_get_400_naming_the_field_beside_a_good_one(door, reference
     assert np.abs(np.asarray(results["good_grpc"]) - reference).max() <= TOL
 
 
+def batches(srv) -> dict[str, tuple[float, float, float]]:
+    """The door's dlrm_door_batch_requests histogram from its /metrics, per process (pid): (batches,
+    batches of one request, requests)."""
+    _, text, _ = get(srv.url + "/metrics")
+    seen: dict[str, dict[str, float]] = {}
+    for line in text.decode().splitlines():
+        m = re.match(r"dlrm_door_batch_requests_(count|sum|bucket)\{(.*)\} (\S+)$", line)
+        if m and (m.group(1) != "bucket" or 'le="1.0"' in m.group(2)):
+            pid = re.search(r'pid="(\d+)"', m.group(2)).group(1)  # type: ignore[union-attr]
+            seen.setdefault(pid, {})[m.group(1)] = float(m.group(3))
+    return {pid: (v.get("count", 0), v.get("bucket", 0), v.get("sum", 0)) for pid, v in seen.items()}
+
+
+def concurrently(srv, reference, n: int = 24) -> tuple[int, int]:
+    """``n`` requests at once, every third a bad one: each gets its own answer (a good one the
+    reference's scores, a bad one its 400 naming the field). Returns (batches, batches of more than
+    one request) the door scored them in, from its /metrics (summed over its processes)."""
+    good = json.dumps({"instances": ROWS}).encode()
+    bad = json.dumps({"instances": [ROWS[0], instance([])]}).encode()
+    before = batches(srv)
+    with ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(lambda i: rest(srv, "/v1/models/dlrm:predict", bad if i % 3 == 0 else good), range(n)))
+    for i, (status, raw, _) in enumerate(results):
+        if i % 3 == 0:
+            assert (status, json.loads(raw)) == (400, {"error": "instances[1].dense: expected 5 numbers, got 0"}), raw
+        else:
+            assert status == 200 and np.abs(np.array(json.loads(raw)["predictions"]) - reference).max() <= TOL, raw
+    after = batches(srv)
+    delta = [np.subtract(after[p], before.get(p, (0, 0, 0))) for p in after]
+    assert sum(d[2] for d in delta) == n, (before, after)  # every request scored once, in some batch
+    return int(sum(d[0] for d in delta)), int(sum(d[0] - d[1] for d in delta))
+
+
+def test_queued_requests_are_scored_together_each_answered_alone(door, reference):
+    """Requests that queue while a batch is scored are the next call's batch (at most batchSize):
+    each still gets its own answer. Rounds until one batch held several requests (bounded)."""
+    deadline = time.monotonic() + 60
+    while True:
+        scored, grouped = concurrently(door, reference)
+        if grouped:
+            break
+        assert time.monotonic() < deadline, f"no batch of more than one request in 60 s ({scored} batches)"
+    assert scored < 24
+    status, body, _ = get(door.url + "/metrics")
+    assert status == 200 and b'dlrm_door_queue_full_total{pid="' not in body  # nothing refused at 24 < 4 x 8
+
+
+def test_a_full_queue_answers_busy_at_once_and_errors_stay_per_request():
+    """The door's Batcher with a fake worker: batches of at most batch_size taken from the queue; a
+    request beyond max_queued refused at once with Busy (503; gRPC UNAVAILABLE); a request's own
+    error stays its own; a failed call fails its requests only."""
+    from dlrm_kserve import Batcher
+    from dlrmkit.errors import BadRequest, Busy, OutOfMemory
+
+    started, release = threading.Event(), threading.Event()
+    calls: list = []
+
+    def run(reqs, errors):
+        calls.append((list(reqs), dict(errors)))
+        started.set()
+        assert release.wait(30)
+        if "boom" in reqs:
+            raise OutOfMemory("Out of memory scoring a batch of 9 rows")
+        return [(r, errors.get(i), 7, None) for i, r in enumerate(reqs)]
+
+    err = BadRequest("body: expected JSON")
+
+    async def scenario():
+        with ThreadPoolExecutor(1) as pool:
+            batcher = Batcher(run, pool, batch_size=2, max_queued=3)
+            first = asyncio.ensure_future(batcher.submit("a"))
+            deadline = time.monotonic() + 30
+            while not started.is_set():  # "a" is being scored: what follows waits in the queue
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            queued = [asyncio.ensure_future(batcher.submit(r, err if r == "c" else None)) for r in "bcd"]
+            await asyncio.sleep(0)
+            with pytest.raises(Busy, match="3 requests are already waiting to be scored"):
+                await batcher.submit("e")
+            release.set()
+            done = await asyncio.gather(first, *queued)
+            boom = await asyncio.gather(batcher.submit("boom"), return_exceptions=True)
+            after = await batcher.submit("f")
+        return done, boom, after
+
+    done, boom, after = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert done == [("a", None, 7, None), ("b", None, 7, None), ("c", err, 7, None), ("d", None, 7, None)]
+    assert [c[0] for c in calls] == [["a"], ["b", "c"], ["d"], ["boom"], ["f"]]
+    assert calls[1][1] == {1: err}
+    assert isinstance(boom[0], OutOfMemory) and boom[0].status == 507
+    assert after == ("f", None, 7, None)
+    assert Busy("x").status == 503
+
+
+def test_a_loading_process_and_a_full_queue_answer_503_at_once():
+    """The kit's routes in this process (kserve's app): a model still loading (a REST process of
+    --workers N) and a full queue answer 503 with a message, never wait."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+    from kserve import model_server
+
+    import dlrm_kserve
+    from dlrmkit.config import DLRMConfig
+    from dlrmkit.errors import Busy
+    from dlrmkit.forms import RequestParser
+
+    async def busy(req, error=None):
+        raise Busy("the server is busy: 32 requests are already waiting to be scored; retry later")
+
+    worker = SimpleNamespace(parser=RequestParser(DLRMConfig.from_dict(TINY)), model_id=("ghost", "1.0"))
+    client = TestClient(model_server.app)
+    body = json.dumps({"instances": ROWS})
+    try:
+        dlrm_kserve.DOORS["ghost"] = SimpleNamespace(worker=None, version="1.0")  # type: ignore[assignment]
+        answer = client.post("/v1/models/ghost:predict", content=body)
+        assert (answer.status_code, answer.json()) == (503, {"error": "Model with name ghost is not ready."})
+        answer = client.post("/predictions/ghost", content=body)
+        assert answer.status_code == 503 and answer.json()["message"] == "Model with name ghost is not ready."
+        dlrm_kserve.DOORS["ghost"] = SimpleNamespace(worker=worker, version="1.0", score=busy)  # type: ignore[assignment]
+        answer = client.post("/v2/models/ghost/infer", content=json.dumps(V2_JSON))
+        assert answer.status_code == 503 and answer.json()["error"].startswith("the server is busy: 32 requests")
+        answer = client.post("/v2/models/ghost/versions/2.0/infer", content=json.dumps(V2_JSON))
+        assert answer.status_code == 404
+    finally:
+        dlrm_kserve.DOORS.pop("ghost", None)
+
+
 def test_the_repository_routes_are_refused_and_the_model_stays(door):
     for verb in ("load", "unload"):
         status, body, _ = request("POST", f"{door.url}/v2/repository/models/dlrm/{verb}")
@@ -281,17 +432,197 @@ def test_the_repository_routes_are_refused_and_the_model_stays(door):
     assert seen["ready"]
 
 
-def test_the_command_says_how_and_refuses_several_workers():
+def test_the_command_says_how():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run(
-        [sys.executable, str(ROOT / "dlrm_kserve.py"), "--model-path", "x.mar", "--workers", "2"],
+        [sys.executable, str(ROOT / "dlrm_kserve.py"), "--model-path", "x.mar", "--workers", "0"],
         capture_output=True,
         text=True,
         timeout=120,
         env=env,
     )
-    assert run.returncode == 1 and "error: --workers 2: this door serves from one process" in run.stderr, run.stderr
+    assert run.returncode == 1 and "error: --workers 0: give 1 or more REST processes" in run.stderr, run.stderr
     run = subprocess.run(
         [sys.executable, str(ROOT / "dlrm_kserve.py"), "--help"], capture_output=True, text=True, timeout=120, env=env
     )
     assert run.returncode == 0 and "--model-path" in run.stdout and "--grpc-port" in run.stdout, run.stderr
+    assert "--workers N" in run.stdout and "one process per CPU" in run.stdout
+
+
+def test_workers_default_to_the_cpu_rule(monkeypatch):
+    import dlrm_kserve
+    from dlrmkit.config import DLRMConfig
+
+    monkeypatch.setattr(dlrm_kserve, "available_cpus", lambda: 4)
+    assert dlrm_kserve.default_workers({}, DLRMConfig.from_dict(TINY)) == 4  # one per CPU
+    assert dlrm_kserve.default_workers({}, DLRMConfig.from_dict({**TINY, "torch_threads": 2})) == 2
+    assert dlrm_kserve.default_workers({"maxWorkers": 3}, DLRMConfig.from_dict(TINY)) == 3  # pinned
+
+
+def test_a_build_big_model_directory_is_served_where_it_lies(tmp_path):
+    """A scripts/build_big.py model directory (int8 tables streamed to disk, no .mar) served as it
+    lies: its weights mapped from the directory, every answer equal to the in-process model's."""
+    from scripts import build_big
+    from dlrmkit.batch import collate, scores
+    from dlrmkit.config import DLRMConfig
+    from dlrmkit.forms import RequestParser
+    from dlrmkit.model import DLRMFactory
+    from test_delta_server import REQUESTS
+
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"batchSize": BATCH, "maxWorkers": 1, "handler": dict(TINY)}))
+    out = tmp_path / "store" / "big"
+    build_big.main(["--config", str(cfg), "--dtype", "int8", "--out", str(out)])
+    config = DLRMConfig.from_yaml(out / "model-config.yaml")
+    model = DLRMFactory(config).load(out / "dlrm.pt")
+    bodies = [*REQUESTS, json.dumps({"instances": ROWS}).encode()]
+    wants = [scores(model, collate([RequestParser(config).parse(b)], config)[0], config)[0] for b in bodies]
+    srv = start_door(tmp_path, out, model="big")
+    try:
+        assert str(out / "dlrm.pt") in open(f"/proc/{srv.proc.pid}/maps").read()
+        for body, want in zip(bodies, wants):
+            routes = [("/predictions/big", "scores")]
+            if b'"instances"' in body:  # KServe v1 takes instances only
+                routes.append(("/v1/models/big:predict", "predictions"))
+            for path, key in routes:
+                status, raw, _ = rest(srv, path, body)
+                assert status == 200, raw
+                assert np.abs(np.asarray(json.loads(raw)[key]) - np.asarray(want)).max() <= TOL, (path, raw, want)
+    finally:
+        stop_door(srv)
+    assert out.is_dir() and (out / "dlrm.pt").is_file()  # a model directory is never removed
+
+
+# --- several processes (--workers 2), following live deltas ------------------------------------
+
+
+def family(pid: int) -> dict[int, str]:
+    """The live descendants of ``pid`` (from /proc): {pid: command line}."""
+    parents: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = open(f"/proc/{d}/stat").read()
+                state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+                if state != "Z":
+                    parents[int(d)] = int(ppid)
+            except (OSError, ValueError):
+                pass
+    out, todo = {}, [pid]
+    while todo:
+        p = todo.pop()
+        for child, parent in parents.items():
+            if parent == p and child not in out:
+                try:
+                    out[child] = open(f"/proc/{child}/cmdline").read().replace("\0", " ")
+                except OSError:
+                    continue
+                todo.append(child)
+    return out
+
+
+def running(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def rest_processes(srv) -> list[int]:
+    """kserve's spawned REST processes of the door."""
+    return sorted(p for p, cmd in family(srv.proc.pid).items() if "multiprocessing.spawn" in cmd)
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    """A model directory (the unpacked .mar, int8 tables) following a delta directory, served by
+    --workers 2: two REST processes and the server's own (gRPC). Yields (door, references, base, dir)."""
+    from test_delta_server import REQUESTS, DeltaReferences
+
+    tmp = tmp_path_factory.mktemp("door-workers")
+    handler = {**TINY, "embedding_dtype": "int8", "delta_dir": str(tmp / "deltas"), "delta_poll_s": 0.05}
+    mar = build(tmp, handler, batchSize=BATCH)
+    model = tmp / "model"
+    with zipfile.ZipFile(mar) as z:
+        z.extractall(model)
+        base = z.read("delta-base.txt").decode().strip()
+    refs = DeltaReferences(mar, handler, tmp / "deltas", [*REQUESTS, json.dumps({"instances": ROWS}).encode()])
+    srv = start_door(tmp, model, "--workers", "2")
+    try:
+        # each REST process loads its own model (503 until then): wait for the three "serves" lines
+        log = wait_until(srv.log.read_text, lambda t: len(re.findall(r"process \d+ serves model dlrm", t)) >= 3, 180)
+        assert len(re.findall(r"process \d+ serves model dlrm", log)) >= 3, srv.tail()
+        yield srv, refs, base, model
+    finally:
+        stop_door(srv)
+
+
+def test_several_processes_answer_rest_and_the_server_grpc(workers):
+    srv, refs, _, _ = workers
+    log = srv.log.read_text()
+    assert "serving dlrm with 2 REST process(es)" in log and "died" not in log, srv.tail()
+    children = rest_processes(srv)
+    assert len(children) == 2, family(srv.proc.pid)
+    expected = np.asarray(refs.scores[0][-1])
+    good = json.dumps({"instances": ROWS}).encode()
+    seen: dict[str, float] = {}  # batches scored per process, from its /metrics (a scrape reaches one)
+    deadline = time.monotonic() + 120
+    while not all(seen.get(str(p), 0) > 0 for p in children):
+        assert time.monotonic() < deadline, (seen, children)
+        with ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(lambda _: rest(srv, "/v1/models/dlrm:predict", good), range(32)))
+        for status, raw, _ in results:
+            assert status == 200 and np.abs(np.array(json.loads(raw)["predictions"]) - expected).max() <= TOL, raw
+        for _ in range(10):
+            seen.update({p: v[0] for p, v in batches(srv).items()})
+    grpc = grpc_result(grpc_check(srv, "forms"))
+    assert np.abs(np.asarray(grpc["raw"]["scores"])[:, 0] - expected).max() <= TOL
+    assert rest_processes(srv) == children  # none restarted
+
+
+def delta_states(model) -> dict[int, int]:
+    """Each process's applied delta sequence, from its state file (<model dir>/delta-state/<pid>.json)."""
+    out = {}
+    for f in (model / "delta-state").glob("*.json"):
+        try:
+            out[int(f.stem)] = json.loads(f.read_text())["sequence"]
+        except (OSError, ValueError, KeyError):
+            pass
+    return out
+
+
+def test_a_delta_reaches_every_process_rest_and_grpc(workers):
+    """A delta published to handler.delta_dir is applied by the server process and both REST
+    processes (one writer, dlrmkit/live/): REST answers carry X-Delta-Sequence 1 and the delta's
+    scores, gRPC answers the parameter delta_sequence 1 and the delta's scores."""
+    from dlrmkit.live import write_delta
+    from test_delta_server import REQUESTS, rows_delta
+
+    srv, refs, base, model = workers
+    processes = [srv.proc.pid, *rest_processes(srv)]
+    assert wait_until(lambda: delta_states(model), lambda s: all(s.get(p) == 0 for p in processes), 60)
+    write_delta(refs.applier.directory, "dlrm", base, 1, rows_delta(1))
+    assert refs.follow() == 1 and refs.scores[1] != refs.scores[0]
+    states = wait_until(lambda: delta_states(model), lambda s: all(s.get(p) == 1 for p in processes), 60)
+    assert all(states.get(p) == 1 for p in processes), (states, processes)
+    calls = [i % len(REQUESTS) for i in range(30)]  # each probe many times: every REST process answers some
+    with ThreadPoolExecutor(10) as pool:
+        results = list(pool.map(lambda i: rest(srv, "/predictions/dlrm", REQUESTS[i]), calls))
+    for i, (status, raw, headers) in zip(calls, results):
+        got = json.loads(raw)["scores"] if status == 200 else raw
+        assert status == 200 and headers["x-delta-sequence"] == "1" and refs.sequences(i, got) == [1], (i, got)
+    grpc = grpc_result(grpc_check(srv, "delta"))
+    assert grpc["delta_sequence"] == 1, grpc
+    assert refs.sequences(len(REQUESTS), grpc["scores"]) == [1], (grpc, refs.scores[1][-1])
+
+
+def test_sigterm_stops_every_process(workers):
+    """Last on this server: SIGTERM to the server stops its REST processes, the live writer, kserve's
+    resource tracker; nothing is left (no orphans)."""
+    srv = workers[0]
+    left = family(srv.proc.pid)
+    assert len(left) >= 3, left  # two REST processes and the live writer at least
+    srv.proc.terminate()
+    srv.proc.wait(90)
+    alive = wait_until(lambda: [p for p in left if running(p)], lambda a: not a, timeout=60)
+    assert not alive, {p: left[p] for p in alive}
