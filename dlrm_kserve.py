@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import ctypes
 import logging
 import os
 import shutil
@@ -87,6 +88,19 @@ BATCH_REQUESTS = Histogram(
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
 )
 QUEUE_FULL = Counter("dlrm_door_queue_full", "Requests answered 503 because the door's queue was full", ["pid"])
+
+SCORING_THREAD = "dlrm-score"  # the scoring thread's name, in /proc too (bench/doors.py counts its CPU)
+
+
+def scoring_thread(threads: int) -> None:
+    """The scoring thread's start: its torch threads (OpenMP's count is per thread) and its name as
+    the kernel shows it (``/proc/<pid>/task/<tid>/comm``), so its CPU is told from the server's."""
+    torch.set_num_threads(threads)
+    try:
+        ctypes.CDLL(None).prctl(15, ctypes.c_char_p(SCORING_THREAD.encode()), 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):  # not Linux: the name is only for measuring
+        pass
+
 
 # One request's outcome from a batch: its reply, its error or None, the delta sequence, its scores
 Result = tuple[Any, RequestError | None, int | None, Any]
@@ -224,7 +238,7 @@ class DLRMDoor(Model):
             worker = Worker()
             device = 0 if torch.cuda.is_available() else None
             worker.load(self.dir, self.manifest, self.model_yaml, device, workers=self.workers)
-            self.pool = ThreadPoolExecutor(1, "dlrm-score", torch.set_num_threads, (worker.threads,))
+            self.pool = ThreadPoolExecutor(1, SCORING_THREAD, scoring_thread, (worker.threads,))
             self.batcher = Batcher(self._run, self.pool, self.batch_size, self.max_queued)
             self.worker = worker
             logger.info("process %d serves model %s", os.getpid(), self.name)
