@@ -264,6 +264,7 @@ def closed_loop(door: Door, cfg, kind, concurrency: int, seconds: float) -> dict
 
     r = measure_load(f"{door.url}/predictions/{door.model}", pool, rows, concurrency, seconds, probe)
     r = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}
+    r.update(requests_per_s=round(r["requests_per_s"]), rows_per_s=round(r["rows_per_s"]))
     log(
         f"  {door.kind} {'single rows' if kind == 1 else 'ranking'} at concurrency {concurrency}: "
         f"{r['requests_per_s']:,} req/s, {r['rows_per_s']:,} rows/s, p99 {r['p99_ms']} ms, {r['errors']} failed"
