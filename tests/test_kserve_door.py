@@ -551,7 +551,7 @@ def workers(tmp_path_factory):
         z.extractall(model)
         base = z.read("delta-base.txt").decode().strip()
     refs = DeltaReferences(mar, handler, tmp / "deltas", [*REQUESTS, json.dumps({"instances": ROWS}).encode()])
-    srv = start_door(tmp, model, "--workers", "2")
+    srv = start_door(tmp, model, "--workers", "2", "--request-log")
     try:
         # each REST process loads its own model (503 until then): wait for the three "serves" lines
         log = wait_until(srv.log.read_text, lambda t: len(re.findall(r"process \d+ serves model dlrm", t)) >= 3, 180)
@@ -582,6 +582,20 @@ def test_several_processes_answer_rest_and_the_server_grpc(workers):
     grpc = grpc_result(grpc_check(srv, "forms"))
     assert np.abs(np.asarray(grpc["raw"]["scores"])[:, 0] - expected).max() <= TOL
     assert rest_processes(srv) == children  # none restarted
+    # --request-log: every REST process writes its access lines (kserve's logging in each kept the filter's answer)
+    log = wait_until(srv.log.read_text, lambda t: t.count('"POST /v1/models/dlrm:predict HTTP/1.1" 200') >= 32, 30)
+    assert log.count('"POST /v1/models/dlrm:predict HTTP/1.1" 200') >= 32 and "kserve.trace" in log, srv.tail()
+
+
+def test_no_line_per_request_unless_asked(door):
+    """A line per request (uvicorn's access line, kserve's timing lines) costs a fifth of single-row
+    throughput: the door writes none by default (--request-log turns them on, above)."""
+    status, raw, _ = rest(door, "/predictions/dlrm", json.dumps({"instances": ROWS}).encode())
+    assert status == 200, raw
+    status, _, _ = rest(door, "/predictions/dlrm", b'{"nope": 1}')
+    log = wait_until(door.log.read_text, lambda t: "rejected request on /predictions/dlrm" in t, 30)
+    assert status == 400 and "rejected request on /predictions/dlrm" in log  # the kit's own lines stay
+    assert "uvicorn.access" not in log and "kserve.trace" not in log and "HTTP/1.1" not in log, door.tail()
 
 
 def delta_states(model) -> dict[int, int]:
