@@ -204,7 +204,9 @@ def test_the_cpu_rule_reads_the_flags_as_torch_may_use_them(tmp_path, flags, cap
 
 
 def test_dense_precision_is_validated_with_the_key_named():
-    with pytest.raises(ConfigError, match=r"^handler.dense_precision: expected one of fp32, bf16, int8, got 'fp8'$"):
+    with pytest.raises(
+        ConfigError, match=r"^handler.dense_precision: expected one of fp32, bf16, int8, auto, got 'fp8'$"
+    ):
         tiny_config(dense_precision="fp8")
     assert tiny_config().build.dense_precision == "fp32"
 
