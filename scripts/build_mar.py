@@ -327,7 +327,9 @@ def main(argv: list[str] | None = None) -> Path:
                         f"{c['auc_ratio']:.5f} of fp32's {c['auc_fp32']:.6f} (needs >= {args.auc_ratio:g})"
                     )
                     if not auto:
-                        sys.exit(f"error: --verify: {broken}; serve a higher precision; no archive written")
+                        sys.exit(
+                            f"error: --verify: {broken}; serve a higher precision (dense_precision: auto serves the fastest that keeps it); no archive written"
+                        )
                     print(f"[build] dense_precision auto: {broken}; trying the next", flush=True)
                     refused.append({"precision": name, **{k: c[k] for k in ("auc_ratio", "max_dp", "p99_dp")}})
                 elif auto and config.build.embedding_dtype != "fp32" and result.auc:
