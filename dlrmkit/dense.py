@@ -11,7 +11,13 @@
   uint8 activations), compiled by Inductor with freezing into oneDNN's fused int8 linears (AMX or
   VNNI). Static activation scales when the archive carries calibration inputs
   (``dense-calibration.pt``, written by ``scripts/build_mar.py --calibrate`` from a sample of the
-  training data, never the rows ``--verify`` judges), else dynamic ones computed per batch.
+  training data, never the rows ``--verify`` judges), else dynamic ones computed per batch. A
+  calibrated build also archives int8's plan (``PLAN_FILE``, ``plan_int8``: the activation observer,
+  SmoothQuant on the top MLP's first layer, any layer whose int8 costs the most kept fp32), which
+  the worker follows; an archive without one is quantized as before plans.
+- ``auto`` exists only in the config a build reads: ``build_mar.py --verify`` serves the fastest of
+  the above (and "mixed": int8 with the plan's costliest layers fp32) that keeps the contract and
+  writes it into the archive's config; a worker refuses ``auto``.
 
 Reduced precision ships under MLPerf's accuracy contract: served AUC >= 99.9% of the fp32 AUC,
 checked by ``build_mar.py --verify`` (``dlrmkit.accuracy.contract``). The compiled code is made on the serving CPU
