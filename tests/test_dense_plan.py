@@ -154,6 +154,20 @@ def test_auto_serves_the_fastest_precision_that_keeps_the_contract(heavy, tmp_pa
         assert dense.CALIBRATION_FILE not in z.namelist()
 
 
+@needs_native
+def test_auto_records_a_mixed_choice_for_the_worker_to_rebuild(heavy, tmp_path, monkeypatch, capsys):
+    """Mixed first (as on a CPU where it measured fastest): verified as the worker builds it from
+    the archive, whose plan keeps the 3 costliest layers fp32 and whose config says int8."""
+    monkeypatch.setattr(build_mar, "fastest_first", in_order(["mixed", "int8", "bf16", "fp32"]))
+    mar = build(heavy, "auto", tmp_path, "--calibrate", str(heavy[0] / "calibration.jsonl"))
+    got = archived(mar)
+    assert "dense_precision: int8  # auto: chosen by build_mar.py --verify" in got["config"]
+    assert got["plan"]["precision"] == "mixed" and got["plan"]["keep"] == got["plan"]["ranked"][:3]
+    assert got["plan"]["keep"][0] == HEAVY
+    assert got["metadata"]["parameters"]["dense_fp32_layers"] == ",".join(got["plan"]["keep"])
+    assert "[build] dense_precision auto: mixed keeps the contract: serving mixed" in capsys.readouterr().out
+
+
 def test_auto_without_verify_is_refused_and_never_reaches_a_worker(tmp_path, monkeypatch):
     config = ROOT / "model-config.yaml"
     doc = yaml.safe_load(config.read_text())
