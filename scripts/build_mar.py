@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> Path:
                 "which only --verify FILE (labelled held-out rows, as scripts/train.py writes verify.jsonl) can judge: "
                 "build with --verify, or set one (e.g. dense_precision: int8); no archive written"
             )
+        if config.build.dense_precision == "auto":
+            precision_config(Path(args.config).read_text(), "int8")  # the line the build will rewrite
         if (
             args.verify
             and config.build.dense_precision != "auto"
@@ -458,7 +460,12 @@ def precision_config(text: str, precision: str) -> str:
 
     line = re.compile(r"^(\s+)dense_precision:\s*['\"]?auto['\"]?\s*(#.*)?$", re.M)
     if not line.search(text):
-        raise ValueError("no handler.dense_precision: auto line")
+        from dlrmkit.errors import ConfigError
+
+        raise ConfigError(
+            "handler.dense_precision: auto must be a line of its own in the handler: section "
+            "(e.g. '  dense_precision: auto') for the build to write the precision it chose there"
+        )
     return line.sub(
         lambda m: f"{m.group(1)}dense_precision: {precision}  # auto: chosen by build_mar.py --verify", text, count=1
     )
