@@ -21,6 +21,10 @@ ID_OVERFLOW = ("error", "modulo")
 RAW_INPUTS = ("criteo_tsv",)  # handler.raw_input: request forms of untransformed features (dlrmkit.criteo)
 EMBEDDING_DTYPES = ("fp32", "fp16", "int8", "int4")  # torchrec's inference quantization, all run on CPU
 DENSE_PRECISIONS = ("fp32", "bf16", "int8")  # the dense half: fp32, or compiled bf16 / int8 (dlrmkit/dense.py)
+# handler.dense_precision's values in a config a build reads: the above, or auto (scripts/build_mar.py
+# --verify writes the fastest that keeps the accuracy contract into the archive's config; a worker
+# never sees auto)
+DENSE_PRECISION_CHOICES = (*DENSE_PRECISIONS, "auto")
 # handler.interaction -> the keys only that variant takes (torchrec's DLRM, DLRM_DCN, DLRM_Projection)
 INTERACTIONS = {
     "dot": (),
@@ -302,7 +306,7 @@ def _requests(raw: Mapping[str, Any]) -> Requests:
 def _build(raw: Mapping[str, Any], features: list[str], dim: int) -> Build:
     """``seed``, ``embedding_dtype``, ``dense_precision`` and ``table_names``."""
     _choice(raw, "embedding_dtype", EMBEDDING_DTYPES)
-    _choice(raw, "dense_precision", DENSE_PRECISIONS)
+    _choice(raw, "dense_precision", DENSE_PRECISION_CHOICES)
     if raw.get("embedding_dtype") == "int4" and dim % 2:
         raise ConfigError(
             f"handler.embedding_dtype: int4 packs two values per byte and needs an even embedding_dim, "

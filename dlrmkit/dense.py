@@ -11,7 +11,13 @@
   uint8 activations), compiled by Inductor with freezing into oneDNN's fused int8 linears (AMX or
   VNNI). Static activation scales when the archive carries calibration inputs
   (``dense-calibration.pt``, written by ``scripts/build_mar.py --calibrate`` from a sample of the
-  training data, never the rows ``--verify`` judges), else dynamic ones computed per batch.
+  training data, never the rows ``--verify`` judges), else dynamic ones computed per batch. A
+  calibrated build also archives int8's plan (``PLAN_FILE``, ``plan_int8``: the activation observer,
+  SmoothQuant on the top MLP's first layer, any layer whose int8 costs the most kept fp32), which
+  the worker follows; an archive without one is quantized as before plans.
+- ``auto`` exists only in the config a build reads: ``build_mar.py --verify`` serves the fastest of
+  the above (and "mixed": int8 with the plan's costliest layers fp32) that keeps the contract and
+  writes it into the archive's config; a worker refuses ``auto``.
 
 Reduced precision ships under MLPerf's accuracy contract: served AUC >= 99.9% of the fp32 AUC,
 checked by ``build_mar.py --verify`` (``dlrmkit.accuracy.contract``). The compiled code is made on the serving CPU
@@ -27,6 +33,7 @@ as Linear pairs of the same weights (``LinearCrossNet``) so that the quantizer s
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 import time
@@ -44,6 +51,17 @@ from dlrmkit.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 CALIBRATION_FILE = "dense-calibration.pt"
+# What the build decided for a static int8 dense half (``plan_int8``), beside the calibration rows
+# the worker recomputes its scales from: {"smooth": {layer: alpha}, "keep": [layers kept fp32], ...}.
+PLAN_FILE = "dense-plan.json"
+# SmoothQuant's migration strengths the build tries on the over arch's first layer (0: none), and
+# the activation observers (torchao's default histogram; MinMax).
+SMOOTH_ALPHAS = (0.0, 0.5, 0.75)
+OBSERVERS = ("histogram", "minmax")
+# A layer is kept fp32 ("mixed") when int8 there alone costs >= this share of the whole half's
+# error on the calibration rows; at most MAX_KEEP layers, the costliest first.
+KEEP_SHARE = 0.3
+MAX_KEEP = 2
 # Rows kept for calibration: the observers' min/max settle within a few hundred rows, and the
 # file stays small (DLRMv2: 512 x (13 + 26 x 128) floats = 6.8 MB).
 CALIBRATION_ROWS = 512
@@ -114,6 +132,64 @@ class LinearCrossNet(nn.Module):
         for v, w in zip(self.v, self.w):
             x = x0 * w(v(x)) + x
         return x
+
+
+class SmoothedLinear(nn.Module):
+    """``linear`` with SmoothQuant's per-input-channel migration: ``(x / s) @ (W * s)^T + b``, the same
+    math; ``s_j = amax(x_j)^alpha / amax(W_:j)^(1 - alpha)`` flattens the input's channels (the
+    interaction's concatenation: dense arch outputs beside sum-pooled multi-hot embeddings, ranges
+    apart by 10-100x) so that one per-tensor uint8 scale fits them all, and moves the spread into
+    the weights, whose scales are per output channel. The division is an elementwise op Inductor
+    fuses into the quantization of x."""
+
+    def __init__(self, linear: nn.Linear, input_amax: torch.Tensor, alpha: float):
+        super().__init__()
+        w = linear.weight.detach().abs().amax(0).clamp(min=1e-5)
+        scale = (input_amax.clamp(min=1e-5) ** alpha / w ** (1 - alpha)).clamp(1e-4, 1e4)
+        self.inv_scale: torch.Tensor
+        self.register_buffer("inv_scale", 1 / scale)
+        self.linear = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        with torch.no_grad():
+            self.linear.weight.copy_(linear.weight * scale)
+            if linear.bias is not None:
+                self.linear.bias.copy_(linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x * self.inv_scale)
+
+
+def linear_names(half: nn.Module) -> list[str]:
+    """The dense half's Linear layers, in forward order (bottom MLP, interaction, top MLP)."""
+    return [name for name, m in half.named_modules() if isinstance(m, nn.Linear)]
+
+
+def smoothed(half: nn.Module, calibration: dict, smooth: dict[str, float]) -> nn.Module:
+    """A copy of ``half`` whose layers in ``smooth`` are ``SmoothedLinear`` at their alpha, the input's
+    per-channel absolute maxima read from the calibration rows (so a worker rebuilds the same
+    scales from the archive's file)."""
+    smooth = {name: alpha for name, alpha in smooth.items() if alpha > 0}
+    if not smooth:
+        return half
+    half = copy.deepcopy(half)  # the model's own modules stay as they are
+    amax: dict[str, torch.Tensor] = {}
+
+    def hook(name):
+        def record(_module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(0)
+            amax[name] = torch.maximum(amax[name], x) if name in amax else x
+
+        return record
+
+    hooks = [half.get_submodule(name).register_forward_pre_hook(hook(name)) for name in smooth]
+    with torch.no_grad():
+        half(calibration["dense"], calibration["pooled"])
+    for h in hooks:
+        h.remove()
+    for name, alpha in smooth.items():
+        parent, _, leaf = name.rpartition(".")
+        holder = half.get_submodule(parent) if parent else half
+        holder._modules[leaf] = SmoothedLinear(cast(nn.Linear, holder._modules[leaf]), amax[name], alpha)
+    return half
 
 
 class DenseHalf(nn.Module):
@@ -241,10 +317,15 @@ def _probe(model: nn.Module, config, rows: int) -> tuple[torch.Tensor, torch.Ten
     return dense, pooled
 
 
-def _int8(half: nn.Module, example: tuple, calibration: dict | None) -> nn.Module:
+def _int8(half: nn.Module, example: tuple, calibration: dict | None, plan: dict | None = None) -> nn.Module:
     """PT2E: export with a dynamic batch, annotate for x86 Inductor, calibrate (static) or not
     (dynamic activation scales), convert. Importing the quantizer's module is what registers
-    Inductor's int8 fusion passes (torchao issue 4823): without it int8 runs as plain aten ops."""
+    Inductor's int8 fusion passes (torchao issue 4823): without it int8 runs as plain aten ops.
+    ``plan`` (static only, ``plan_int8``): layers smoothed first, layers left fp32."""
+    plan = plan or {}
+    keep = list(plan.get("keep", ()))
+    if calibration is not None:
+        half = smoothed(half, calibration, {k: a for k, a in plan.get("smooth", {}).items() if k not in keep})
     # torchao: the maintained home of PT2E quantization (torch.ao.quantization is deprecated).
     # Its import warns once per CUDA kernel library a CPU host cannot load: not ours, and noise in every worker log.
     logging.getLogger("torchao").setLevel(logging.ERROR)
@@ -255,7 +336,12 @@ def _int8(half: nn.Module, example: tuple, calibration: dict | None) -> nn.Modul
     batch = torch.export.Dim("B", min=2, max=1 << 16)
     exported = torch.export.export(half, example, dynamic_shapes=({0: batch}, {0: batch})).module()
     quantizer = xiq.X86InductorQuantizer()
-    quantizer.set_global(xiq.get_default_x86_inductor_quantization_config(is_dynamic=calibration is None))
+    qconfig = xiq.get_default_x86_inductor_quantization_config(is_dynamic=calibration is None)
+    if calibration is not None and plan.get("observer") == "minmax":
+        qconfig = _minmax(qconfig)
+    quantizer.set_global(qconfig)
+    for name in keep:  # mixed precision: these layers run fp32 between int8 ones
+        quantizer.set_module_name_qconfig(name, None)
     prepared = prepare_pt2e(exported, quantizer)
     with torch.no_grad():
         if calibration is not None:
@@ -266,12 +352,28 @@ def _int8(half: nn.Module, example: tuple, calibration: dict | None) -> nn.Modul
     return convert_pt2e(prepared)
 
 
+def _minmax(qconfig):
+    """``qconfig`` with its activations' scales from the calibration rows' whole range (MinMax)
+    instead of the histogram's clipped one, which fits the bulk best but clips the tails."""
+    import dataclasses
+
+    from torchao.quantization.pt2e import MinMaxObserver
+
+    act = dataclasses.replace(qconfig.input_activation, observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=2**-12))
+    return dataclasses.replace(qconfig, input_activation=act, output_activation=act)
+
+
 def compile_dense(
-    model: nn.Module, config, precision: str, calibration: dict | None = None, warm_rows: tuple[int, ...] | None = None
+    model: nn.Module,
+    config,
+    precision: str,
+    calibration: dict | None = None,
+    warm_rows: tuple[int, ...] | None = None,
+    plan: dict | None = None,
 ) -> tuple[nn.Module, str]:
     """``model`` (an fp32 torchrec DLRM on CPU, eval) with its dense half at ``precision``,
     compiled and warmed at ``warm_rows`` batch sizes (default: every ``warm_sizes()``); and a
-    line saying what runs. On a CPU
+    line saying what runs. ``plan``: static int8's smoothing and fp32 layers (``plan_int8``). On a CPU
     without the precision's instructions, or when compiling fails, the model comes back as it
     was (fp32) and the line says FALLING BACK and why."""
     if precision == "fp32":
@@ -279,7 +381,7 @@ def compile_dense(
     reason = unsupported(precision, cpu_flags())
     if reason is None:
         try:
-            return _compile(model, config, precision, calibration, warm_rows)
+            return _compile(model, config, precision, calibration, warm_rows, plan)
         except Exception as e:  # a worker without a C++ compiler, an export the version cannot do
             reason = f"compiling failed ({type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e) else ''})"
     return _fall_back(model, precision, reason)
@@ -291,17 +393,17 @@ def _fall_back(model: nn.Module, precision: str, reason: str) -> tuple[nn.Module
     return model, f"fp32 (FALLING BACK from {precision}: {reason})"
 
 
-def _compile(model, config, precision, calibration, warm_rows) -> tuple[nn.Module, str]:
+def _compile(model, config, precision, calibration, warm_rows, plan=None) -> tuple[nn.Module, str]:
     started = time.perf_counter()
     # Inductor's own int8 lowering copy-constructs a tensor (torch 2.13): not ours to fix, and noise in every log.
     warnings.filterwarnings("ignore", message="To copy construct from a tensor", category=UserWarning)
     half: nn.Module = DenseHalf(model).eval()
     example = _probe(model, config, 32)
     if precision == "int8":
-        half = _int8(half, example, calibration)
+        half = _int8(half, example, calibration, plan)
         what = (
             "int8 static (PT2E X86InductorQuantizer, calibrated on "
-            f"{calibration['dense'].shape[0]} rows of the archive's {CALIBRATION_FILE})"
+            f"{calibration['dense'].shape[0]} rows of the archive's {CALIBRATION_FILE}{describe(plan)})"
             if calibration is not None
             else "int8 dynamic (PT2E X86InductorQuantizer, activation scales per batch: the archive has no "
             f"{CALIBRATION_FILE}; build it with --calibrate for static scales)"
@@ -337,12 +439,105 @@ def prepare(model: nn.Module, config, model_dir: str | Path, devices: list) -> t
     precision = config.build.dense_precision
     if precision == "fp32":
         return model, "fp32"
+    if precision == "auto":
+        raise ConfigError(
+            "handler.dense_precision: auto is decided when the archive is built (scripts/build_mar.py --verify "
+            "writes the precision it chose into the archive's config); rebuild it so, or set one of "
+            + ", ".join(PRECISIONS)
+        )
     if len(devices) != 1 or devices[0].type != "cpu":
         return _fall_back(
             model, precision, "the compiled dense half is for CPU workers (on a GPU the dense half runs fp32)"
         )
     calibration = read_calibration(model_dir) if precision == "int8" else None
-    return compile_dense(model, config, precision, calibration)
+    plan = read_plan(model_dir) if calibration is not None else None
+    return compile_dense(model, config, precision, calibration, plan=plan)
+
+
+def read_plan(model_dir: str | Path) -> dict | None:
+    """The archive's int8 plan (``PLAN_FILE``), or None when it carries none (an archive built
+    before plans: int8 everywhere, as it was built)."""
+    path = Path(model_dir) / PLAN_FILE
+    if not path.is_file():
+        return None
+    plan = json.loads(path.read_text())
+    if (
+        not isinstance(plan, dict)
+        or not isinstance(plan.get("smooth", {}), dict)
+        or not isinstance(plan.get("keep", []), list)
+    ):
+        raise ConfigError(f"{path}: expected a JSON object with smooth (layer -> alpha) and keep (layers)")
+    return plan
+
+
+def describe(plan: dict | None) -> str:
+    """``plan``'s observer, smoothing and fp32 layers for the line saying what runs ("" for none)."""
+    if not plan:
+        return ""
+    smooth = ", ".join(f"{k} alpha {a:g}" for k, a in plan.get("smooth", {}).items() if a > 0)
+    keep = ", ".join(plan.get("keep", ()))
+    return "".join(
+        (
+            f"; {plan['observer']} activation scales" if plan.get("observer") else "",
+            f"; smoothed: {smooth}" if smooth else "",
+            f"; fp32 layers (mixed): {keep}" if keep else "",
+        )
+    )
+
+
+def plan_int8(model: nn.Module, config, calibration: dict, log=lambda _msg: None) -> dict:
+    """The build's sensitivity pass for static int8, quantized eagerly (PT2E's reference ops, no
+    compiler: any build CPU runs it). Scales are fitted on the calibration rows' even half and the
+    error measured on the odd half, rows they never saw (as served rows are: tails beyond the
+    calibrated range are clipped), as mean |delta probability| against the fp32 half. In turn:
+    the activation observer (``OBSERVERS``: the histogram fits the bulk, MinMax covers the tails
+    seen), SmoothQuant's strength for the over arch's first layer (the interaction's concatenation,
+    whose channels' ranges differ most: ``SMOOTH_ALPHAS``), then each Linear left fp32 alone; the
+    layers whose int8 costs >= ``KEEP_SHARE`` of the error are kept fp32 (mixed, at most
+    ``MAX_KEEP``). Returns the plan ``PLAN_FILE`` holds (the worker fits its scales on all the rows):
+    ``observer``, ``smooth``, ``keep``, the errors (``error``; ``sensitivity``: layer -> error with
+    it fp32) and ``ranked`` (the layers, costliest int8 first)."""
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    half = DenseHalf(model).eval()
+    example = _probe(model, config, 32)
+    fit = {k: v[0::2] for k, v in calibration.items()}
+    dense, pooled = calibration["dense"][1::2], calibration["pooled"][1::2]
+    with torch.no_grad():
+        reference = torch.sigmoid(half(dense, pooled).float())
+
+    def error(plan: dict) -> float:
+        quantized = _int8(half, example, fit, plan)
+        with torch.no_grad():
+            return float((torch.sigmoid(quantized(dense, pooled).float()) - reference).abs().mean())
+
+    names = linear_names(half)
+    plan: dict = {"observer": "histogram", "smooth": {}}
+    observed = {observer: error({**plan, "observer": observer}) for observer in OBSERVERS}
+    plan["observer"] = min(OBSERVERS, key=lambda o: observed[o])
+    log("[int8] activation observer: mean |dp| " + ", ".join(f"{o} {e:.3g}" for o, e in observed.items()))
+    first = next((n for n in names if n.startswith("over_arch.")), None)
+    if first is not None:
+        tried = {alpha: error({**plan, "smooth": {first: alpha}}) for alpha in SMOOTH_ALPHAS}
+        alpha = min(tried, key=lambda a: (tried[a], a))
+        log(f"[int8] smoothing {first}: mean |dp| " + ", ".join(f"alpha {a:g} {e:.3g}" for a, e in tried.items()))
+        plan["smooth"] = {first: alpha} if alpha > 0 else {}
+    base = error(plan)
+    sensitivity = {name: error({**plan, "keep": [name]}) for name in names}
+    ranked = sorted(names, key=lambda n: sensitivity[n])
+    keep = [n for n in ranked[:MAX_KEEP] if base - sensitivity[n] >= KEEP_SHARE * base > 0]
+    log(
+        f"[int8] sensitivity (mean |dp| with one layer fp32; all int8 {base:.3g}): "
+        + ", ".join(f"{n} {sensitivity[n]:.3g}" for n in ranked)
+        + (f"; kept fp32: {', '.join(keep)}" if keep else "; every layer int8")
+    )
+    return {
+        **plan,
+        "keep": keep,
+        "error": base,
+        "sensitivity": sensitivity,
+        "ranked": ranked,
+        "rows": int(calibration["dense"].shape[0]),
+    }
 
 
 def read_calibration(model_dir: str | Path) -> dict | None:

@@ -66,9 +66,16 @@ def model_directory(out: Path, config_file: Path, model_name: str, version: str,
     """The no-archive directory at ``out`` with a placeholder weights file (replaced next)."""
     from scripts.build_mar import extra_files
     from dlrmkit.config import DLRMConfig
+    from dlrmkit.errors import ConfigError
     from dlrmkit.protocols import METADATA_FILE, model_metadata
 
     config = DLRMConfig.from_yaml(config_file)
+    if config.build.dense_precision == "auto":
+        raise ConfigError(
+            f"{config_file}: handler.dense_precision: auto needs scripts/build_mar.py --verify, which picks the "
+            "fastest precision that keeps the accuracy contract; this build verifies nothing: set int8, bf16 "
+            "or fp32 (e.g. dense_precision: int8)"
+        )
     with tempfile.TemporaryDirectory(prefix="dlrm-big-") as tmp:
         placeholder = Path(tmp) / "dlrm.pt"
         placeholder.write_bytes(b"")

@@ -174,7 +174,19 @@ def main(argv: list[str] | None = None) -> Path:
                 "(scripts/train.py writes calibration.jsonl); no archive written"
             )
         config = DLRMConfig.from_yaml(args.config)
-        if args.verify and (cannot := dense.unsupported(config.build.dense_precision, dense.cpu_flags())):
+        if config.build.dense_precision == "auto" and not args.verify:
+            sys.exit(
+                "error: handler.dense_precision: auto picks the fastest precision that keeps the accuracy contract, "
+                "which only --verify FILE (labelled held-out rows, as scripts/train.py writes verify.jsonl) can judge: "
+                "build with --verify, or set one (e.g. dense_precision: int8); no archive written"
+            )
+        if config.build.dense_precision == "auto":
+            precision_config(Path(args.config).read_text(), "int8")  # the line the build will rewrite
+        if (
+            args.verify
+            and config.build.dense_precision != "auto"
+            and (cannot := dense.unsupported(config.build.dense_precision, dense.cpu_flags()))
+        ):
             # The verify child would serve the fp32 fallback and prove nothing about the precision
             # the archive names (measured on an AVX2 host: int8 there moves a score by up to 0.45).
             sys.exit(
@@ -203,8 +215,10 @@ def main(argv: list[str] | None = None) -> Path:
                     f"[build] quantizing the tables to {config.build.embedding_dtype} (torchrec quantize_inference_model)",
                     flush=True,
                 )
-            extra = [str(metadata := Path(tmp) / METADATA_FILE)]
-            if config.build.dense_precision == "int8" and (args.calibrate or not args.checkpoint):
+            precision = config.build.dense_precision
+            auto = precision == "auto"
+            extra, inputs = [], None
+            if precision in ("int8", "auto") and (args.calibrate or not args.checkpoint):
                 if args.calibrate:
                     inputs, source = calibration_inputs(args.calibrate, model, config), args.calibrate
                 else:  # random weights have no training data: the kit's own random rows stand for it
@@ -216,15 +230,27 @@ def main(argv: list[str] | None = None) -> Path:
                 print(
                     f"[build] int8 dense half: static activation scales from {source} ({CALIBRATION_FILE})", flush=True
                 )
-            elif config.build.dense_precision == "int8":
+            elif precision in ("int8", "auto"):
                 print(
                     "[build] int8 dense half without --calibrate: activation scales per batch (dynamic int8)",
                     flush=True,
                 )
-            if config.build.dense_precision != "fp32" and not args.verify:
+            if precision != "fp32" and not args.verify:
                 print(
-                    f"[build] warning: dense_precision {config.build.dense_precision} without --verify: the accuracy "
+                    f"[build] warning: dense_precision {precision} without --verify: the accuracy "
                     "contract (AUC >= 99.9% of fp32) is not checked for this archive",
+                    flush=True,
+                )
+            # int8's plan (dlrmkit.dense.plan_int8): the sensitivity pass on the calibration rows
+            plan = dense.plan_int8(model, config, inputs, log=print) if inputs is not None else None
+            candidates = dense_candidates(precision, plan)
+            timings: dict[str, float] = {}
+            if auto:
+                candidates, timings = fastest_first(model, config, candidates, inputs)
+                print(
+                    "[build] dense_precision auto: raw forward of 256 rows on this CPU: "
+                    + ", ".join(f"{name} {timings[name]:.2f} ms" for name, _ in candidates)
+                    + f"; tried fastest first under the contract: {', '.join(n for n, _ in candidates)}",
                     flush=True,
                 )
             state = factory.archive_state(model)
@@ -233,67 +259,92 @@ def main(argv: list[str] | None = None) -> Path:
             # The archive's identity, which live-update deltas name (dlrmkit/live/)
             (base := Path(tmp) / BASE_FILE).write_text(base_version(weights) + "\n")
             extra.append(str(base))
-            # The v2 metadata the OIP endpoint plugin serves, from the config just validated.
-            metadata.write_text(json.dumps(model_metadata(config), indent=1))
             print(
                 f"[build] weights {weights.stat().st_size / 1e6:.1f} MB in {time.perf_counter() - started:.1f} s",
                 flush=True,
             )
-            # Built beside the weights and moved into place only once proven: a failed --verify
-            # leaves no archive, and an earlier one of the same name stays as it was.
-            built = Path(tmp) / "out"
-            cmd = [
-                str(Path(sys.executable).parent / "torch-model-archiver"),
-                "--model-name",
-                args.model_name,
-                "--version",
-                args.version,
-                "--handler",
-                str(ROOT / "dlrm_handler.py"),
-                "--serialized-file",
-                str(weights),
-                "--extra-files",
-                ",".join([*extra_files(Path(tmp)), *extra]),
-                "--config-file",
-                str(Path(args.config).resolve()),
-                "--export-path",
-                str(built),
-                # Random floats do not compress; storing them makes building and loading faster.
-                "--archive-format",
-                "zip-store",
-            ]
-            if args.force:
-                cmd.append("--force")
-            # The archiver stages files in $TMPDIR/<model name>; a private TMPDIR keeps two builds
-            # of the same model name on one machine (tests, benchmarks) from clobbering each other.
-            built.mkdir()
-            subprocess.run(cmd, check=True, env={**os.environ, "TMPDIR": tmp})
-            if args.verify:
+            refused: list[dict] = []
+            for n, (name, cplan) in enumerate(candidates):
+                served = "int8" if name == "mixed" else name  # mixed: int8 with the plan's fp32 layers
+                stage = Path(tmp) / f"candidate-{n}"
+                stage.mkdir()
+                files = [f for f in extra if served == "int8" or not f.endswith(CALIBRATION_FILE)]
+                config_file = Path(args.config).resolve()
+                if auto:  # the worker never sees auto: the archive's config names what was chosen
+                    config_file = stage / config_file.name
+                    config_file.write_text(precision_config(Path(args.config).read_text(), served))
+                facts: dict = {"precision": name}
+                if auto:
+                    facts["auto"] = {
+                        "order": [c for c, _ in candidates],
+                        "forward_ms_256_rows": timings,
+                        "refused": refused,
+                        "isa": dense.isa_summary(),
+                    }
+                if served == "int8" and cplan is not None:
+                    facts.update(cplan)
+                if served == "int8" and cplan is not None or auto:
+                    (plan_file := stage / dense.PLAN_FILE).write_text(json.dumps(facts, indent=1))
+                    files.append(str(plan_file))
+                # The v2 metadata the OIP endpoint plugin serves, from the config just validated.
+                meta = model_metadata(config)
+                if auto:
+                    meta["parameters"] = {"dense_precision": served, "dense_precision_chosen_from": "auto"}
+                    if name == "mixed":
+                        meta["parameters"]["dense_fp32_layers"] = ",".join(cplan["keep"])
+                (metadata := stage / METADATA_FILE).write_text(json.dumps(meta, indent=1))
+                files.append(str(metadata))
+                # Built beside the weights and moved into place only once proven: a failed --verify
+                # leaves no archive, and an earlier one of the same name stays as it was.
+                built = stage / "out"
+                built.mkdir()
+                archive(args, weights, config_file, [*extra_files(Path(tmp)), *files], built, tmp)
+                if not args.verify:
+                    break
                 result = verify_archive(
                     built / mar.name,
                     args.verify,
                     as_worker.command(),
                     args.verify_tolerance,
-                    precision=config.build.dense_precision,
+                    precision=served,
                     logits=config.requests.output == "logits",
                     auc_ratio=args.auc_ratio,
                 )
-                if config.build.dense_precision != "fp32":
+                if served != "fp32":
                     # Reduced precision moves every score a little: MLPerf's AUC rule is the gate,
                     # not the per-row tolerance.
                     if result.contract is None:
                         sys.exit(
-                            f"error: --verify: dense_precision {config.build.dense_precision} is checked by the "
+                            f"error: --verify: dense_precision {precision} is checked by the "
                             f"accuracy contract (served AUC >= 99.9% of fp32), which needs labels on every "
                             f"line of {args.verify} (scripts/train.py writes them); no archive written"
                         )
-                    if not result.contract["holds"]:
-                        c = result.contract
+                    c = result.contract
+                    if c["holds"]:
+                        if auto:
+                            print(f"[build] dense_precision auto: {name} keeps the contract: serving {name}")
+                        break
+                    broken = (
+                        f"dense_precision {name} breaks the accuracy contract: AUC {c['auc']:.6f} is "
+                        f"{c['auc_ratio']:.5f} of fp32's {c['auc_fp32']:.6f} (needs >= {args.auc_ratio:g})"
+                    )
+                    if not auto:
                         sys.exit(
-                            f"error: --verify: dense_precision {config.build.dense_precision} breaks the accuracy "
-                            f"contract: AUC {c['auc']:.6f} is {c['auc_ratio']:.5f} of fp32's {c['auc_fp32']:.6f} "
-                            f"(needs >= {args.auc_ratio:g}); serve a higher precision; no archive written"
+                            f"error: --verify: {broken}; serve a higher precision (dense_precision: auto serves the fastest that keeps it); no archive written"
                         )
+                    print(f"[build] dense_precision auto: {broken}; trying the next", flush=True)
+                    refused.append({"precision": name, **{k: c[k] for k in ("auc_ratio", "max_dp", "p99_dp")}})
+                elif auto and config.build.embedding_dtype != "fp32" and result.auc:
+                    # quantized tables move fp32's scores too: the contract judges, not the tolerance
+                    served_auc, trainer_auc = result.auc
+                    if served_auc < args.auc_ratio * trainer_auc:
+                        sys.exit(
+                            f"error: --verify: dense_precision auto: even fp32 breaks the accuracy contract with "
+                            f"handler.embedding_dtype {config.build.embedding_dtype} (AUC {served_auc:.6f} vs the "
+                            f"trainer's {trainer_auc:.6f}); serve higher-precision tables; no archive written"
+                        )
+                    print("[build] dense_precision auto: serving fp32")
+                    break
                 elif result.over:
                     sys.exit(
                         f"error: --verify: {result.over} of {result.rows} rows differ from the trainer's "
@@ -302,12 +353,122 @@ def main(argv: list[str] | None = None) -> Path:
                         f"not in the trainer's order (--feature-order), pooling, output, or requests whose "
                         f"dense features are not preprocessed as in training (docs/trained-models.md)"
                     )
+                else:
+                    if auto:
+                        print("[build] dense_precision auto: serving fp32")
+                    break
             out_dir.mkdir(parents=True, exist_ok=True)
             shutil.move(built / mar.name, mar)
     except ConfigError as e:
         sys.exit(f"error: {e}")
     print(f"[build] {mar} ({mar.stat().st_size / 1e6:.1f} MB)")
     return mar
+
+
+# dense_precision auto: the layers "mixed" keeps fp32, the costliest int8 first (plan_int8's ranking)
+MIXED_KEEP = 3
+# auto's raw forward: rows per forward and timed repeats (median), after the compile's warm-up
+TIMED_ROWS, TIMED_REPEATS = 256, 7
+
+
+def archive(args, weights: Path, config_file: Path, files: list[str], built: Path, tmp: str) -> None:
+    """torch-model-archiver: ``weights``, the handler, ``files`` and ``config_file`` as
+    ``built/<model name>.mar``."""
+    cmd = [
+        str(Path(sys.executable).parent / "torch-model-archiver"),
+        "--model-name",
+        args.model_name,
+        "--version",
+        args.version,
+        "--handler",
+        str(ROOT / "dlrm_handler.py"),
+        "--serialized-file",
+        str(weights),
+        "--extra-files",
+        ",".join(files),
+        "--config-file",
+        str(config_file),
+        "--export-path",
+        str(built),
+        # Random floats do not compress; storing them makes building and loading faster.
+        "--archive-format",
+        "zip-store",
+    ]
+    if args.force:
+        cmd.append("--force")
+    # The archiver stages files in $TMPDIR/<model name>; a private TMPDIR keeps two builds
+    # of the same model name on one machine (tests, benchmarks) from clobbering each other.
+    subprocess.run(cmd, check=True, env={**os.environ, "TMPDIR": tmp})
+
+
+def dense_candidates(precision: str, plan: dict | None) -> list[tuple[str, dict | None]]:
+    """(name, int8 plan) per dense half the build may archive: ``precision`` itself, or for auto
+    every one this CPU runs natively: int8 (the plan), mixed (int8 with the plan's ``MIXED_KEEP``
+    costliest layers fp32, when there is a plan), bf16 and fp32."""
+    from dlrmkit import dense
+
+    if precision != "auto":
+        return [(precision, plan)]
+    out: list[tuple[str, dict | None]] = [("int8", plan)]
+    if plan is not None and plan["ranked"][:MIXED_KEEP] != plan["keep"]:
+        out.append(("mixed", {**plan, "keep": plan["ranked"][:MIXED_KEEP]}))
+    out += [("bf16", None), ("fp32", None)]
+    flags = dense.cpu_flags()
+    return [(name, p) for name, p in out if dense.unsupported("int8" if name == "mixed" else name, flags) is None]
+
+
+def fastest_first(model, config, candidates, calibration) -> tuple[list, dict[str, float]]:
+    """``candidates`` ordered by their raw forward on this CPU (the whole model, ``TIMED_ROWS``
+    rows on one thread, median of ``TIMED_REPEATS`` rounds over them all after a warm-up), and the
+    milliseconds measured: the order
+    auto tries them in. Tests replace this function (timing decides no test)."""
+    import torch
+
+    from dlrmkit import dense
+
+    gen = torch.Generator().manual_seed(config.build.seed)
+    from dlrmkit.model import DLRMFactory
+
+    batch = DLRMFactory(config).probe_batch(TIMED_ROWS, gen)
+    served = {}
+    for name, plan in candidates:
+        precision = "int8" if name == "mixed" else name
+        served[name], _ = dense.compile_dense(
+            model, config, precision, calibration if precision == "int8" else None, (TIMED_ROWS,), plan=plan
+        )
+    # Rounds over every candidate, so that a busy moment of a shared host costs each of them alike.
+    runs: dict[str, list[float]] = {name: [] for name in served}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a worker runs under the CPU rule: one thread per worker per CPU
+    with torch.inference_mode():
+        for m in served.values():
+            m(*batch)
+        for _ in range(TIMED_REPEATS):
+            for name, m in served.items():
+                t = time.perf_counter()
+                m(*batch)
+                runs[name].append((time.perf_counter() - t) * 1e3)
+    torch.set_num_threads(threads)
+    timings = {name: sorted(r)[len(r) // 2] for name, r in runs.items()}
+    return sorted(candidates, key=lambda c: timings[c[0]]), timings
+
+
+def precision_config(text: str, precision: str) -> str:
+    """A model config's text with handler.dense_precision: auto as ``precision`` (its other lines
+    and comments kept), saying who chose it."""
+    import re
+
+    line = re.compile(r"^(\s+)dense_precision:\s*['\"]?auto['\"]?\s*(#.*)?$", re.M)
+    if not line.search(text):
+        from dlrmkit.errors import ConfigError
+
+        raise ConfigError(
+            "handler.dense_precision: auto must be a line of its own in the handler: section "
+            "(e.g. '  dense_precision: auto') for the build to write the precision it chose there"
+        )
+    return line.sub(
+        lambda m: f"{m.group(1)}dense_precision: {precision}  # auto: chosen by build_mar.py --verify", text, count=1
+    )
 
 
 def fit_dense_shift(files: list[str], config: str, out: str) -> float:

@@ -33,33 +33,64 @@ ROOT = Path(__file__).resolve().parent.parent
 # tenth of train.py's learning rate (at 0.05 this deep cross network diverges: held-out AUC 0.51).
 MODELS = {
     "dcn": "--interaction dcn",
+    # issue 6's user: a DCN trained by DMP on 2 ranks, three multi-hot features (bags of 1-8 ids,
+    # sum-pooled), a model the int8 defaults were never tuned on
+    "dcn-multihot": "--world-size 2 --interaction dcn --num-sparse 3 --bag-size 8 --seed 4",
     "criteo": "--num-sparse 26 --rows 1000 --dim 64 --dense-arch 512,256,64 --over-arch 512,512,256,1",
     "dlrmv2": "--interaction dcn --num-sparse 26 --rows 1000 --dim 128 --dense-arch 512,256,128 "
     "--over-arch 1024,1024,512,256,1 --dcn-num-layers 3 --dcn-low-rank-dim 512 --steps 150 --lr 0.005",
 }
-# (tables' embedding_dtype, dense precision, where int8's static activation scales come from)
+# (tables' embedding_dtype, dense precision, where int8's static activation scales come from, the
+# int8 plan: "-" every layer int8 with torchao's defaults (int8 before plans), "plan" what
+# build_mar.py builds (dlrmkit.dense.plan_int8), "mixed" the plan with its 3 costliest layers fp32
+# (auto's mixed candidate))
 PRECISIONS = (
-    ("fp32", "bf16", "-"),
-    ("fp32", "int8", "the verify file itself (optimistic: build_mar.py refuses it)"),
-    ("fp32", "int8", "512 training rows"),
-    ("fp32", "int8", "none: dynamic, scales per batch"),
-    ("int8", "fp32", "-"),
-    ("int8", "int8", "512 training rows"),
+    ("fp32", "bf16", "-", "-"),
+    ("fp32", "int8", "the verify file itself (optimistic: build_mar.py refuses it)", "-"),
+    ("fp32", "int8", "512 training rows", "-"),
+    ("fp32", "int8", "512 training rows", "plan"),
+    ("fp32", "int8", "none: dynamic, scales per batch", "-"),
+    ("int8", "fp32", "-", "-"),
+    ("int8", "int8", "512 training rows", "-"),
+    ("int8", "int8", "512 training rows", "plan"),
+    ("int8", "int8", "512 training rows", "mixed"),
 )
+# The raw forward per row: rows per forward, rounds over every row (median), on one thread
+TIMED_ROWS, TIMED_ROUNDS = 256, 15
 
 
 def log(msg: str) -> None:
     print(f"[contract {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def compiled(model, cfg, precision: str, calibration):
+def compiled(model, cfg, precision: str, calibration, plan=None):
     """(module, what runs, forced): dlrmkit.dense.compile_dense, or on a CPU without the
     instructions the same compilation regardless of its rule."""
     from dlrmkit import dense
 
     if dense.unsupported(precision, dense.cpu_flags()) is None:
-        return *dense.compile_dense(model, cfg, precision, calibration), False
-    return *dense._compile(model, cfg, precision, calibration, (2, 64)), True
+        return *dense.compile_dense(model, cfg, precision, calibration, (2, 104, TIMED_ROWS), plan=plan), False
+    return *dense._compile(model, cfg, precision, calibration, (2, 104, TIMED_ROWS), plan), True
+
+
+def forward_ms(models: list, batch) -> list[float]:
+    """Each model's raw forward of ``batch`` on one thread (as a worker runs under the CPU rule):
+    the median of rounds over them all, so that a busy moment of a shared host costs each alike."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    runs: list[list[float]] = [[] for _ in models]
+    with torch.inference_mode():
+        for m in models:
+            m(*batch)
+        for _ in range(TIMED_ROUNDS):
+            for i, m in enumerate(models):
+                t = time.perf_counter()
+                m(*batch)
+                runs[i].append((time.perf_counter() - t) * 1e3)
+    torch.set_num_threads(threads)
+    return [sorted(r)[len(r) // 2] for r in runs]
 
 
 def contract_model(name: str, heldout: int, tmp: Path) -> dict:
@@ -74,6 +105,7 @@ def contract_model(name: str, heldout: int, tmp: Path) -> dict:
 
     out = tmp / name
     argv = ["--out", str(out), "--world-size", "1", "--heldout", str(heldout), *MODELS[name].split()]
+    # (a model's own --world-size, later on the line, wins)
     log(f"{name}: training (scripts/train.py {' '.join(argv[2:])})")
     subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), *argv], check=True)
     checkpoint.write_config(out / "checkpoint", out / "config.yaml", log=lambda m: None)
@@ -98,24 +130,42 @@ def contract_model(name: str, heldout: int, tmp: Path) -> dict:
     cfg8 = cfg.with_changes(embedding_dtype="int8")
     factory8, weights8 = DLRMFactory(cfg8), out / "dlrm-int8-tables.pt"
     torch.save(factory8.archive_state(factory8.load_fp32(state)), weights8)
-    rows = []
-    for tables, precision, source in PRECISIONS:
+    rows, served_models, plans = [], [], {}
+    for tables, precision, source, kind in PRECISIONS:
         model = (factory8 if tables == "int8" else factory).load(weights8 if tables == "int8" else weights)
         calibration = None
         if source.startswith("the verify"):
             calibration = accuracy.calibration_inputs(verify, model, cfg)
         elif source.startswith("512"):
             calibration = dense.calibration_inputs(model, [(sample.dense_features, sample.sparse_features)])
-        served, what, forced = compiled(model, cfg8 if tables == "int8" else cfg, precision, calibration)
+        plan = None
+        if kind != "-":
+            if tables not in plans:  # as build_mar.py plans it, on the calibration rows
+                plans[tables] = dense.plan_int8(model, cfg, calibration, log=log)
+            plan = plans[tables] if kind == "plan" else {**plans[tables], "keep": plans[tables]["ranked"][:3]}
+        served, what, forced = compiled(model, cfg8 if tables == "int8" else cfg, precision, calibration, plan)
+        served_models.append(served)
         c = accuracy.contract(scores(served), fp32, labels)
         rows.append(
-            {"tables": tables, "precision": precision, "calibration": source, "forced": forced, "what": what, **c}
+            {
+                "tables": tables,
+                "precision": precision,
+                "calibration": source,
+                "plan": kind,
+                "forced": forced,
+                "what": what,
+                **c,
+            }
         )
         log(
-            f"{name} tables {tables}, dense {precision} ({source}): AUC {c['auc']:.5f} vs fp32 {c['auc_fp32']:.5f}, ratio "
-            f"{c['auc_ratio']:.5f} ({'holds' if c['holds'] else 'BROKEN'}), |dp| max {c['max_dp']:.3g} "
-            f"p99 {c['p99_dp']:.3g}"
+            f"{name} tables {tables}, dense {precision} ({source}, plan {kind}): AUC {c['auc']:.5f} vs fp32 "
+            f"{c['auc_fp32']:.5f}, ratio {c['auc_ratio']:.5f} ({'holds' if c['holds'] else 'BROKEN'}), |dp| max "
+            f"{c['max_dp']:.3g} p99 {c['p99_dp']:.3g}"
         )
+    probe = factory.probe_batch(TIMED_ROWS, torch.Generator().manual_seed(0))
+    for row, ms in zip(rows, forward_ms(served_models, probe)):
+        row["forward_ms"] = ms
+    log(f"{name}: raw forward of {TIMED_ROWS} rows, one thread: " + ", ".join(f"{r['forward_ms']:.2f}" for r in rows))
     return {
         "model": name,
         "train_args": argv[2:],
@@ -123,6 +173,7 @@ def contract_model(name: str, heldout: int, tmp: Path) -> dict:
         "auc_fp32": rows[0]["auc_fp32"],
         "fp32_vs_trainer_max_dp": max(abs(a - b) for a, b in zip(fp32, trainer)),
         "precisions": rows,
+        "plans": plans,
     }
 
 
@@ -155,14 +206,41 @@ def contract_md(doc: dict) -> str:
             f"{m['rows_scored']:,} held-out rows; fp32 AUC {m['auc_fp32']:.5f}; served fp32 vs the trainer's "
             f"scores: max |dp| {m['fp32_vs_trainer_max_dp']:.2g}.",
             "",
-            "| tables | dense | calibration | AUC | fp32 AUC | ratio | holds | max abs dp | p99 abs dp |",
-            "|---|---|---|---:|---:|---:|---|---:|---:|",
+            "| tables | dense | calibration | int8 plan | AUC | fp32 AUC | ratio | holds | max abs dp | p99 abs dp "
+            f"| forward {TIMED_ROWS} rows, 1 thread (ms) |",
+            "|---|---|---|---|---:|---:|---:|---|---:|---:|---:|",
         ]
         for r in m["precisions"]:
             out.append(
                 f"| {r.get('tables', 'fp32')} | {r['precision']}{' **forced**' if r['forced'] else ''} | {r['calibration']} | "
+                f"{r.get('plan', '-')} | "
                 f"{r['auc']:.5f} | {r['auc_fp32']:.5f} | {r['auc_ratio']:.5f} | "
-                f"{'yes' if r['holds'] else '**no**'} | {r['max_dp']:.3g} | {r['p99_dp']:.3g} |"
+                f"{'yes' if r['holds'] else '**no**'} | {r['max_dp']:.3g} | {r['p99_dp']:.3g} | "
+                f"{r.get('forward_ms', float('nan')):.2f} |"
+            )
+        out.append("")
+        for tables in ("fp32", "int8"):
+            timed = {
+                r["plan"]: r
+                for r in m["precisions"]
+                if r.get("tables") == tables
+                and r.get("plan")
+                and r["precision"] == "int8"
+                and r["calibration"].startswith("512")
+            }
+            if "-" in timed and len(timed) > 1:
+                out.append(
+                    f"- {tables} tables: raw forward of the int8 plan's dense half vs every layer int8 "
+                    + ", ".join(
+                        f"{k} {timed['-']['forward_ms'] / r['forward_ms']:.2f}x" for k, r in timed.items() if k != "-"
+                    )
+                    + " (> 1: faster)"
+                )
+        for tables, plan in m.get("plans", {}).items():
+            out.append(
+                f"- {tables} tables: the plan: {plan['observer']} activation scales, smoothed "
+                f"{plan['smooth'] or 'nothing'}, fp32 layers {plan['keep'] or 'none'}; costliest int8 first: "
+                f"{', '.join(plan['ranked'][:3])}"
             )
         out.append("")
     return "\n".join(out)

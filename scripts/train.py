@@ -76,6 +76,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--rows", type=int, default=100, help="rows per table (default: %(default)s)")
     ap.add_argument("--dim", type=int, default=8, help="embedding_dim D (default: %(default)s)")
+    ap.add_argument(
+        "--bag-size",
+        type=int,
+        default=1,
+        metavar="K",
+        help="synthetic clicks: ids per bag drawn uniformly from 1..K (multi-hot, sum-pooled; a bag's "
+        "effect on the click is its ids' mean) (default: %(default)s, one id per feature)",
+    )
     ap.add_argument("--dense-arch", default="32,8", help="dense arch sizes, last = D (default: %(default)s)")
     ap.add_argument("--over-arch", default="32,16,1", help="over arch sizes, last = 1 (default: %(default)s)")
     ap.add_argument("--dcn-num-layers", type=int, default=2, help="dcn: cross layers (default: %(default)s)")
@@ -122,6 +130,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         if args.tsv:
             ap.error(f"--tsv rows have 26 sparse features, --sparse-features names {len(args.sparse_features)}")
         args.num_sparse = len(args.sparse_features)
+    if args.bag_size < 1 or (args.tsv and args.bag_size != 1):
+        ap.error("--bag-size must be >= 1, and 1 with --tsv (Criteo rows have one id per feature)")
     if args.dense_arch[-1] != args.dim:
         ap.error(f"--dense-arch must end in --dim ({args.dim}), got {args.dense_arch}")
     return args
@@ -135,20 +145,32 @@ def features(args) -> tuple[list[str], list[str]]:
 
 
 class Clicks:
-    """Rows as (dense [N, num_dense], ids [N, F] one id per feature, labels [N])."""
+    """Rows as (dense [N, num_dense], ids [N, F, K] with lengths [N, F] in 1..K (K = --bag-size;
+    ids past a bag's length unused), labels [N])."""
 
     def __init__(self, args):
         self.args = args
         if args.tsv:
-            self.dense, self.ids, self.labels = self._read_tsv(Path(args.tsv))
+            self.dense, ids, self.labels = self._read_tsv(Path(args.tsv))
+            self.ids, self.lengths = ids.unsqueeze(-1), torch.ones(ids.shape, dtype=torch.int64)
             return
         n = args.steps * args.batch_size + args.heldout
         gen = torch.Generator().manual_seed(args.seed)
         w = torch.randn(args.num_dense, generator=gen) / math.sqrt(args.num_dense)
         effect = torch.randn(args.num_sparse, args.rows, generator=gen)
         self.dense = torch.randn(n, args.num_dense, generator=gen)
-        self.ids = torch.randint(0, args.rows, (n, args.num_sparse), generator=gen)
-        logit = 1.5 * (self.dense @ w + effect.gather(1, self.ids.T).sum(0) / math.sqrt(args.num_sparse))
+        k = args.bag_size
+        self.ids = torch.randint(
+            0, args.rows, (n, args.num_sparse, k) if k > 1 else (n, args.num_sparse), generator=gen
+        )
+        if k == 1:  # the one-id stream as it always was (same seed, same rows)
+            self.ids, self.lengths = self.ids.unsqueeze(-1), torch.ones(n, args.num_sparse, dtype=torch.int64)
+        else:
+            self.lengths = torch.randint(1, k + 1, (n, args.num_sparse), generator=gen)
+        used = (torch.arange(k) < self.lengths.unsqueeze(-1)).float()
+        per_id = effect.gather(1, self.ids.permute(1, 0, 2).reshape(args.num_sparse, -1)).view(args.num_sparse, n, k)
+        bag = (per_id * used.permute(1, 0, 2)).sum(-1) / self.lengths.T  # [F, N]: each bag's mean effect
+        logit = 1.5 * (self.dense @ w + bag.sum(0) / math.sqrt(args.num_sparse))
         self.labels = torch.bernoulli(torch.sigmoid(logit), generator=gen)
 
     def _read_tsv(self, path: Path):
@@ -166,19 +188,25 @@ class Clicks:
             torch.from_numpy(parsed.labels.clip(0)).float(),
         )
 
+    def sparse_row(self, row: int, sparse_names: list[str]) -> dict:
+        """Row ``row``'s sparse features as a request row's ``{"keys", "values", "lengths"}``."""
+        lengths = self.lengths[row].tolist()
+        values = [i for f, n in enumerate(lengths) for i in self.ids[row, f, :n].tolist()]
+        return {"keys": sparse_names, "values": values, "lengths": lengths}
+
     def __len__(self) -> int:
         return len(self.labels)
 
     def batch(self, lo: int, hi: int, sparse_names: list[str]):
-        """Rows lo..hi as DLRMTrain's input: dense [B, num_dense], a KJT (one id per bag), labels [B]."""
+        """Rows lo..hi as DLRMTrain's input: dense [B, num_dense], a KJT (key-major), labels [B]."""
         from torchrec.datasets.utils import Batch
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-        ids = self.ids[lo:hi]
+        ids, lengths = self.ids[lo:hi].transpose(0, 1), self.lengths[lo:hi].T  # [F, B, K], [F, B]
         kjt = KeyedJaggedTensor(
             keys=sparse_names,
-            values=ids.T.reshape(-1),  # key-major
-            lengths=torch.ones(ids.numel(), dtype=torch.int64),
+            values=ids[torch.arange(ids.shape[-1]) < lengths.unsqueeze(-1)],  # key-major, each bag's ids
+            lengths=lengths.reshape(-1),
         )
         return Batch(dense_features=self.dense[lo:hi], sparse_features=kjt, labels=self.labels[lo:hi])
 
@@ -284,10 +312,8 @@ def worker(rank: int, args, port: int) -> None:
     out = Path(args.out)
     dcp.save(dmp.state_dict(), checkpoint_id=out / "checkpoint")
     if rank == 0:
-        ids = data.ids[train_rows:]
         rows = [
-            {"dense": d, "sparse": {"keys": sparse_names, "values": i, "lengths": [1] * len(i)}}
-            for d, i in zip(dense.tolist(), ids.tolist())
+            {"dense": d, "sparse": data.sparse_row(r, sparse_names)} for r, d in enumerate(dense.tolist(), train_rows)
         ]
         doc = {
             "dense_features": dense_names,
@@ -319,8 +345,8 @@ def worker(rank: int, args, port: int) -> None:
         lo = max(0, train_rows - CALIBRATION_ROWS)
         sample = data.batch(lo, train_rows, sparse_names)
         calib = [
-            {"dense": d, "sparse": {"keys": sparse_names, "values": i, "lengths": [1] * len(i)}}
-            for d, i in zip(sample.dense_features.tolist(), data.ids[lo:train_rows].tolist())
+            {"dense": d, "sparse": data.sparse_row(r, sparse_names)}
+            for r, d in enumerate(sample.dense_features.tolist(), lo)
         ]
         (out / "calibration.jsonl").write_text(
             "".join(json.dumps({"instances": calib[i : i + 128]}) + "\n" for i in range(0, len(calib), 128))

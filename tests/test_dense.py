@@ -204,7 +204,9 @@ def test_the_cpu_rule_reads_the_flags_as_torch_may_use_them(tmp_path, flags, cap
 
 
 def test_dense_precision_is_validated_with_the_key_named():
-    with pytest.raises(ConfigError, match=r"^handler.dense_precision: expected one of fp32, bf16, int8, got 'fp8'$"):
+    with pytest.raises(
+        ConfigError, match=r"^handler.dense_precision: expected one of fp32, bf16, int8, auto, got 'fp8'$"
+    ):
         tiny_config(dense_precision="fp8")
     assert tiny_config().build.dense_precision == "fp32"
 
@@ -234,8 +236,16 @@ def test_the_contract_report_has_a_row_per_precision_and_calibration():
     labels = [0, 1] * 20
     ref = [0.2 + 0.6 * y + 0.001 * i for i, y in enumerate(labels)]
     rows = [
-        {"tables": t, "precision": p, "calibration": s, "forced": True, **accuracy.contract(ref, ref, labels)}
-        for t, p, s in script.PRECISIONS
+        {
+            "tables": t,
+            "precision": p,
+            "calibration": s,
+            "plan": k,
+            "forced": True,
+            "forward_ms": 1.0 + (k != "-"),
+            **accuracy.contract(ref, ref, labels),
+        }
+        for t, p, s, k in script.PRECISIONS
     ]
     doc = {
         "command": "x",
@@ -252,6 +262,11 @@ def test_the_contract_report_has_a_row_per_precision_and_calibration():
         ],
     }
     table = [line for line in script.contract_md(doc).splitlines() if "**forced**" in line and line.startswith("|")]
-    assert [line.split(" | ")[2] for line in table] == [s for *_, s in script.PRECISIONS]
+    assert [line.split(" | ")[2] for line in table] == [s for _, _, s, _ in script.PRECISIONS]
+    assert [line.split(" | ")[3] for line in table] == [k for *_, k in script.PRECISIONS]
     assert [line.split(" | ")[0] for line in table] == [f"| {t}" for t, *_ in script.PRECISIONS]
     assert all(" | yes | " in line for line in table)
+    # the plan's forward against every layer int8, per kind of tables (2 ms vs 1 ms: 0.50x)
+    assert "- int8 tables: raw forward of the int8 plan's dense half vs every layer int8 plan 0.50x, mixed 0.50x" in (
+        script.contract_md(doc)
+    )

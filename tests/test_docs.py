@@ -24,6 +24,7 @@ NOT_REPO_PATHS = (
     "my-criteo.yaml",
     "heldout.json",
     "verify.jsonl",
+    "dense-plan.json",  # a file in an archive (dlrmkit.dense.PLAN_FILE)
     "build/docker/",
     "key_file.json",
     "OUT.yaml",

@@ -285,7 +285,9 @@ def test_an_int8_dense_half_is_built_under_the_accuracy_contract_and_served(trai
         assert refused.value.code.startswith(
             "error: --verify: dense_precision int8 breaks the accuracy contract: AUC "
         ), refused.value.code
-        assert refused.value.code.endswith("(needs >= 1); serve a higher precision; no archive written")
+        assert refused.value.code.endswith(
+            "(needs >= 1); serve a higher precision (dense_precision: auto serves the fastest that keeps it); no archive written"
+        )
     else:  # this CPU would verify its fp32 fallback, not int8: refused before anything is built
         assert refused.value.code.startswith(
             "error: --verify: dense_precision int8 cannot run on this CPU (this CPU "
