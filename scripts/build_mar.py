@@ -288,8 +288,9 @@ def main(argv: list[str] | None = None) -> Path:
                     files.append(str(plan_file))
                 # The v2 metadata the OIP endpoint plugin serves, from the config just validated.
                 meta = model_metadata(config)
+                meta["parameters"] = {"dense_precision": served}  # what the dense half serves as
                 if auto:
-                    meta["parameters"] = {"dense_precision": served, "dense_precision_chosen_from": "auto"}
+                    meta["parameters"]["dense_precision_chosen_from"] = "auto"
                     if name == "mixed":
                         meta["parameters"]["dense_fp32_layers"] = ",".join(cplan["keep"])
                 (metadata := stage / METADATA_FILE).write_text(json.dumps(meta, indent=1))

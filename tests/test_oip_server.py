@@ -115,6 +115,7 @@ def test_model_metadata_ready_and_config_from_the_archive(server):
             "platform": "pytorch_torchserve",
             "inputs": expected_inputs,
             "outputs": outputs,
+            "parameters": {"dense_precision": "fp32"},  # build_mar.py's record of what the dense half serves as
         }
     assert sdk(server, "is_model_ready", "dlrm") is True
     config = client.get_model_config("dlrm")

@@ -208,6 +208,9 @@ public final class OpenInferenceEndpoint extends ModelServerEndpoint {
         body.addProperty("platform", "pytorch_torchserve");
         body.add("inputs", desc.has("inputs") ? desc.get("inputs") : new JsonArray());
         body.add("outputs", desc.has("outputs") ? desc.get("outputs") : new JsonArray());
+        if (desc.has("parameters")) { // what the build recorded: the dense half's precision
+            body.add("parameters", desc.get("parameters"));
+        }
         addDeltaSequence(body, model);
         return body;
     }
