@@ -418,11 +418,13 @@ def test_an_int8_archive_serves_in_the_image_as_in_process(image, runtime_args):
         assert status == 200, (status, body, logs[-4000:])
         config = tiny_config(**variant("dcn"), dense_precision="int8")
         batch, bad = collate([RequestParser(config).parse(json.dumps({"instances": ROWS}))], config)
-        # the archive's own calibration rows (a random-weights build makes them): the same static scales
+        # the archive's own calibration rows (a random-weights build makes them) and its int8 plan
+        # (observer, smoothing, fp32 layers, chosen at build): the same static scales, the same layers
         (mar,) = models.rglob("*.mar")
         unpacked = models.parent / "unpacked"
         with zipfile.ZipFile(mar) as z:
             z.extract(dense.CALIBRATION_FILE, unpacked)
+            z.extract(dense.PLAN_FILE, unpacked)
         model, what = dense.prepare(DLRMFactory(config).random(), config, unpacked, [torch.device("cpu")])
         want = np.asarray(scores(model, batch, config)[0])
         fp32 = np.asarray(scores(DLRMFactory(tiny_config(**variant("dcn"))).random(), batch, config)[0])
