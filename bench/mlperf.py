@@ -268,6 +268,7 @@ def run(
         client_cpu_us_per_query=round(client / q * 1e6),
         summary=str(Path(out).relative_to(ROOT) if out and Path(out).is_relative_to(ROOT) else out or ""),
         slowest=slowest(sut.times, started),
+        started_at=started,  # time.monotonic() when LoadGen began: the origin of slowest's at_s
     )
     if cpu0 and cpu1:  # a worker replaced meanwhile (its pid gone): no CPU figure for this run
         res.update({f"{k}_cpu_us_per_query": round((cpu1[k] - cpu0[k]) / q * 1e6) for k in groups})

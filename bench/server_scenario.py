@@ -29,6 +29,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -146,7 +147,7 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
             qps = found["best"]["target_qps"] / 2
             home = tmp / f"home-{name}-ready"
             ready = ready_run(
-                lambda: serving(home, tmp / "store", {name: probe}, env), form, name, pool, qps, args, tag
+                lambda: serving(home, tmp / "store", {name: probe}, env), form, name, pool, qps, args, tag, frontend_pid
             )
         after = host.measure(HOST_BATCH, args.host_seconds)
         stock_after = stock.measure(HOST_BATCH, args.host_seconds) if stock else None
@@ -182,19 +183,60 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
     return row
 
 
-def ready_run(start, form: str, name: str, pool: list, qps: float, args, tag: str) -> dict:
+class JitSampler:
+    """The frontend JVM's JIT compiler threads' CPU seconds, read every ``every`` s on a thread of
+    its own: what the compilers took while a given query waited (``share``, CPUs busy compiling)."""
+
+    def __init__(self, pid: int, every: float = 0.05):
+        self.pid, self.every = pid, every
+        self.samples: list[tuple[float, float]] = []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.is_set():
+            with contextlib.suppress(Exception):  # the JVM gone at the end
+                self.samples.append((time.monotonic(), sum(jit_cpu_seconds(self.pid).values())))
+            time.sleep(self.every)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def share(self, a: float, b: float) -> float | None:
+        """Mean CPUs the compilers used between monotonic times ``a`` and ``b`` (None: too few samples)."""
+        win = [s for s in self.samples if a <= s[0] <= b]
+        if len(win) < 2 or win[-1][0] <= win[0][0]:
+            return None
+        return round((win[-1][1] - win[0][1]) / (win[-1][0] - win[0][0]), 2)
+
+
+def ready_run(start, form: str, name: str, pool: list, qps: float, args, tag: str, jit_pid=None) -> dict:
     """Ready means warm: a fresh server (``start()``, a context manager that yields it once it
     reports ready: a probe scored), LoadGen at ``qps`` (half the highest VALID rate) the moment it
     is ready, no warm-up, one run: LoadGen's verdict, p99, max and max / p99, how long the server
-    took to be ready, and the slowest queries with when they were sent (s after the run began)."""
+    took to be ready, and the slowest queries with when they were sent (s after the run began).
+    ``jit_pid(srv)``: the frontend JVM, whose JIT compilers' CPU is sampled meanwhile: per slow
+    query the CPUs they used from 0.3 s before it was sent to its answer, and over the run's first
+    10 s against its last 10 (what attributes the stragglers of a server just made ready)."""
     t0 = time.perf_counter()
     with start() as srv:
         ready_s = round(time.perf_counter() - t0, 1)
+        jit = JitSampler(jit_pid(srv)) if jit_pid else None
         out = Path(args.loadgen_dir) / f"{tag}-{qps:.2f}qps-at-ready.txt"
-        r = mlperf.run(
-            srv.url + mlperf.path(form, name), pool, qps, args.seconds, args.min_queries, args.max_seconds, out
-        )
+        try:
+            url = srv.url + mlperf.path(form, name)
+            r = mlperf.run(url, pool, qps, args.seconds, args.min_queries, args.max_seconds, out)
+        finally:
+            if jit:
+                jit.stop()
     r.update(ready_s=ready_s, max_over_p99=round(r["max_ms"] / r["p99_ms"], 2) if r.get("p99_ms") else None)
+    if jit:
+        t, end = r["started_at"], jit.samples[-1][0] if jit.samples else r["started_at"]
+        for q in r["slowest"]:
+            q["jit_cpus"] = jit.share(t + q["at_s"] - 0.3, t + q["at_s"] + q["ms"] / 1000)
+        r["jit_cpus_first_10s"], r["jit_cpus_last_10s"] = jit.share(t, t + 10), jit.share(end - 10, end)
     log(
         f"  {tag} at ready, {qps:.2f} q/s: {'VALID' if r['valid'] else 'INVALID'}, p99 {r.get('p99_ms')} ms, "
         f"max {r.get('max_ms')} ms; slowest: {r['slowest'][:3]}"
@@ -553,7 +595,17 @@ def profile_lines(report: dict) -> list[str]:
             )
         if r.get("ready_run"):
             x = r["ready_run"]
-            slow = "; ".join(f"{q['ms']:g} ms at {q['at_s']:g} s ({q['pairs']} pairs)" for q in x["slowest"][:3])
+            slow = "; ".join(
+                f"{q['ms']:g} ms at {q['at_s']:g} s ({q['pairs']} pairs"
+                + (f", the frontend's JIT at {q['jit_cpus']:g} CPUs meanwhile" if q.get("jit_cpus") is not None else "")
+                + ")"
+                for q in x["slowest"][:3]
+            )
+            if x.get("jit_cpus_first_10s") is not None:
+                slow += (
+                    f". The frontend's JIT compilers: {x['jit_cpus_first_10s']:g} CPUs over the first 10 s, "
+                    f"{x.get('jit_cpus_last_10s')} over the last 10"
+                )
             lines.append(
                 f"Ready means warm ({r['config']}, {label(r)}): a fresh server, ready in {x['ready_s']:g} s, then "
                 f"LoadGen at {x['target_qps']:g} q/s (half the highest VALID rate) at once: "

@@ -689,9 +689,19 @@ def test_the_ready_run_reports_the_cold_queries_of_a_fresh_server(tmp_path):
 
     pool = [mlperf.Query(100 + i, b"{}", {"Content-Type": "application/json"}) for i in range(8)]
     args = types.SimpleNamespace(seconds=1.0, min_queries=200, max_seconds=20.0, loadgen_dir=tmp_path)
-    r = server_scenario.ready_run(start, "columns", "m", pool, 200.0, args, "t")
+    r = server_scenario.ready_run(start, "columns", "m", pool, 200.0, args, "t", lambda srv: os.getpid())
     assert r["queries"] >= 200 and r["ready_s"] >= 0
     assert [q["ms"] >= 150 for q in r["slowest"][:2]] == [True, True]
     assert all(q["at_s"] < 1.0 for q in r["slowest"][:2])
     assert r["max_over_p99"] == round(r["max_ms"] / r["p99_ms"], 2) and r["max_ms"] >= 150
     assert (tmp_path / "t-200.00qps-at-ready.txt").is_file()
+    # this process has no JIT compiler threads: sampled, and none found busy
+    assert r["jit_cpus_first_10s"] == 0.0 and all(q["jit_cpus"] in (0.0, None) for q in r["slowest"])
+
+
+def test_the_jit_sampler_gives_the_cpus_used_between_two_times():
+    sampler = server_scenario.JitSampler(os.getpid(), every=0.01)
+    sampler.stop()
+    sampler.samples = [(10.0, 1.0), (10.5, 1.25), (11.0, 1.5), (12.0, 1.5)]
+    assert sampler.share(10.0, 11.0) == 0.5 and sampler.share(11.0, 12.0) == 0.0
+    assert sampler.share(10.6, 10.9) is None  # one sample or none: no figure
