@@ -16,9 +16,11 @@ import torch
 
 from dlrmkit.batch import collate
 from dlrmkit.config import DLRMConfig
+from dlrmkit.dense import CALIBRATION_ROWS
 from dlrmkit.dense import calibration_inputs as dense_inputs
 from dlrmkit.errors import ConfigError, RequestError
 from dlrmkit.forms import RequestParser
+from dlrmkit.model import DLRMFactory
 
 # MLPerf's rule for dlrm-v2-99.9: served AUC >= 99.9% of the fp32 reference's.
 AUC_RATIO = 0.999
@@ -74,6 +76,19 @@ def calibration_inputs(path: str | Path, model: torch.nn.Module, config: DLRMCon
     if not batches:
         raise ConfigError(f"--calibrate {path}: no requests in the file")
     return dense_inputs(model, batches)
+
+
+def int8_calibration(
+    model: torch.nn.Module, config: DLRMConfig, requests: str | Path | None = None
+) -> tuple[dict[str, torch.Tensor], str]:
+    """The dense half's inputs an archive carries for int8's static scales, and where they came
+    from: ``requests`` (``--calibrate FILE``, a sample of the training data), else, for random
+    weights, which have no training data, CALIBRATION_ROWS of the kit's own random rows (seeded)."""
+    if requests:
+        return calibration_inputs(requests, model, config), str(requests)
+    factory, gen = DLRMFactory(config), torch.Generator().manual_seed(config.build.seed)
+    probes = [factory.probe_batch(256, gen) for _ in range(-(-CALIBRATION_ROWS // 256))]
+    return dense_inputs(model, probes), f"{CALIBRATION_ROWS} random rows"
 
 
 def json_lines(path: str | Path, option: str) -> list[tuple[int, str]]:

@@ -152,7 +152,7 @@ def calibrate(out: Path, config, args) -> None:
     import torch
 
     from dlrmkit import dense
-    from dlrmkit.accuracy import calibration_inputs
+    from dlrmkit.accuracy import int8_calibration
     from dlrmkit.model import DLRMFactory
 
     target = out / dense.CALIBRATION_FILE
@@ -161,14 +161,7 @@ def calibrate(out: Path, config, args) -> None:
     if not args.calibrate and args.checkpoint:
         print("[build] int8 dense half without --calibrate: activation scales per batch (dynamic int8)", flush=True)
         return
-    factory = DLRMFactory(config)
-    model = factory.load(out / "dlrm.pt")
-    if args.calibrate:
-        inputs, source = calibration_inputs(args.calibrate, model, config), args.calibrate
-    else:  # random weights have no training data: the kit's own random rows stand for it
-        gen = torch.Generator().manual_seed(config.build.seed)
-        probes = [factory.probe_batch(256, gen) for _ in range(-(-dense.CALIBRATION_ROWS // 256))]
-        inputs, source = dense.calibration_inputs(model, probes), f"{dense.CALIBRATION_ROWS} random rows"
+    inputs, source = int8_calibration(DLRMFactory(config).load(out / "dlrm.pt"), config, args.calibrate)
     torch.save(inputs, target)
     print(f"[build] int8 dense half: static activation scales from {source} ({dense.CALIBRATION_FILE})", flush=True)
 

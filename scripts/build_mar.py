@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> Path:
 
     import torch
 
-    from dlrmkit.accuracy import calibration_inputs
+    from dlrmkit.accuracy import int8_calibration
     from dlrmkit.checkpoint import import_checkpoint, verify_archive, write_config
     from dlrmkit import dense
     from dlrmkit.dense import CALIBRATION_FILE
@@ -219,12 +219,7 @@ def main(argv: list[str] | None = None) -> Path:
             auto = precision == "auto"
             extra, inputs = [], None
             if precision in ("int8", "auto") and (args.calibrate or not args.checkpoint):
-                if args.calibrate:
-                    inputs, source = calibration_inputs(args.calibrate, model, config), args.calibrate
-                else:  # random weights have no training data: the kit's own random rows stand for it
-                    gen = torch.Generator().manual_seed(config.build.seed)
-                    probes = [factory.probe_batch(256, gen) for _ in range(-(-dense.CALIBRATION_ROWS // 256))]
-                    inputs, source = dense.calibration_inputs(model, probes), f"{dense.CALIBRATION_ROWS} random rows"
+                inputs, source = int8_calibration(model, config, args.calibrate)
                 torch.save(inputs, calibration := Path(tmp) / CALIBRATION_FILE)
                 extra.append(str(calibration))
                 print(

@@ -358,16 +358,21 @@ def test_two_replicas_on_one_layout_both_answer(image, layout, runtime_args, ser
         other.remove()
 
 
+def stopped_under_load_losing_nothing(c, port: int) -> None:
+    """``docker stop`` of ready ``c`` (SIGTERM, 30 s grace) under 16 clients sending the seed request
+    to ``port``: every request sent before it, those in flight included, answered 200; exit 0 in time."""
+    result = load_and_stop(c.name, address(c.name), port, concurrency=16, load_s=3, body=json.dumps(SEED).encode())
+    assert result["exit_code"] == 0, (result, c.logs()[-4000:])
+    assert result["before_sigterm"]["lost"] == 0 and result["before_sigterm"]["answered"] > 0, result
+    assert result["in_flight"]["answered"] == result["concurrency"], result
+    assert result["sigterm_to_exit_s"] < 30, result
+
+
 def test_sigterm_under_load_answers_every_accepted_request_and_exits_0(image, layout, runtime_args):
     c = Container(image, runtime_args, layout)
     try:
         ready(c)
-        host = address(c.name)
-        result = load_and_stop(c.name, host, 8085, concurrency=16, load_s=3, body=json.dumps(SEED).encode())
-        assert result["exit_code"] == 0, (result, c.logs()[-4000:])
-        assert result["before_sigterm"]["lost"] == 0 and result["before_sigterm"]["answered"] > 0, result
-        assert result["in_flight"]["answered"] == result["concurrency"], result
-        assert result["sigterm_to_exit_s"] < 30, result
+        stopped_under_load_losing_nothing(c, 8085)
     finally:
         c.remove()
 
@@ -441,22 +446,27 @@ def test_an_int8_archive_serves_in_the_image_as_in_process(image, runtime_args):
         shutil.rmtree(models.parent, ignore_errors=True)
 
 
-def test_default_docker_run_serves_the_readme_seed_request(image):
+def seed_request_scored_as_the_default_model(c) -> None:
+    """The README's seed request on port 8080 of ``c`` (the image's own model): once ready, answered
+    with the default model's score (model-config.yaml's seeded weights, scored here)."""
     from dlrmkit.config import DLRMConfig
     from dlrmkit.batch import collate, scores
     from dlrmkit.forms import RequestParser
     from dlrmkit.model import DLRMFactory
 
     body = (ROOT / "sample_requests" / "seed_single.json").read_bytes()
+    ready(c, 8080, body)
+    status, answer = post(c.url(8080), body)
+    config = DLRMConfig.from_yaml(ROOT / "model-config.yaml")
+    batch, bad = collate([RequestParser(config).parse(body)], config)
+    want = scores(DLRMFactory(config).random(), batch, config)[0]
+    assert status == 200 and np.allclose(answer["scores"], want, atol=1e-5, rtol=0), answer
+
+
+def test_default_docker_run_serves_the_readme_seed_request(image):
     c = Container(image, ports=(8080,))
     try:
-        ready(c, 8080, body)
-        status, answer = post(c.url(8080), body)
-        config = DLRMConfig.from_yaml(ROOT / "model-config.yaml")
-        batch, bad = collate([RequestParser(config).parse(body)], config)
-        assert status == 200 and np.allclose(
-            answer["scores"], scores(DLRMFactory(config).random(), batch, config)[0], atol=1e-5, rtol=0
-        )
+        seed_request_scored_as_the_default_model(c)
     finally:
         c.remove()
 
@@ -613,21 +623,9 @@ def test_the_second_doors_probe_paths_answer(door_served, door_args):
 def test_the_images_kserve_command_serves_the_default_model(image, door_args):
     """`docker run IMAGE kserve`: the second door on the image's own model, REST 8080 and gRPC 8081,
     answering the README's seed request with the default model's score."""
-    from dlrmkit.batch import collate, scores
-    from dlrmkit.config import DLRMConfig
-    from dlrmkit.forms import RequestParser
-    from dlrmkit.model import DLRMFactory
-
-    body = (ROOT / "sample_requests" / "seed_single.json").read_bytes()
     c = door_container(image, None, ["kserve"], {"http1": 8080, "h2c": 8081})
     try:
-        ready(c, 8080, body)
-        status, answer = post(c.url(8080), body)
-        config = DLRMConfig.from_yaml(ROOT / "model-config.yaml")
-        batch, bad = collate([RequestParser(config).parse(body)], config)
-        assert status == 200 and np.allclose(
-            answer["scores"], scores(DLRMFactory(config).random(), batch, config)[0], atol=1e-5, rtol=0
-        ), answer
+        seed_request_scored_as_the_default_model(c)
         assert door_grpc(c.port(8081), "health")["live"]
     finally:
         c.remove()
@@ -640,11 +638,6 @@ def test_the_second_door_drains_on_sigterm_and_exits_0(image, layout, door_args)
     c = door_container(image, layout, args, ports)
     try:
         ready(c, ports["http1"])
-        host = address(c.name)
-        result = load_and_stop(c.name, host, ports["http1"], concurrency=16, load_s=3, body=json.dumps(SEED).encode())
-        assert result["exit_code"] == 0, (result, c.logs()[-4000:])
-        assert result["before_sigterm"]["lost"] == 0 and result["before_sigterm"]["answered"] > 0, result
-        assert result["in_flight"]["answered"] == result["concurrency"], result
-        assert result["sigterm_to_exit_s"] < 30, result
+        stopped_under_load_losing_nothing(c, ports["http1"])
     finally:
         c.remove()
