@@ -68,7 +68,7 @@ from kserve.protocol.rest.multiprocess import server as rest_processes
 from prometheus_client import Counter, Histogram
 
 from dlrmkit.config import DLRMConfig
-from dlrmkit.cpus import available_cpus, cpu_rule
+from dlrmkit.cpus import available_cpus, model_workers
 from dlrmkit.errors import Busy, OutOfMemory, RequestError, ServerError
 from dlrmkit.protocols import BINARY_HEADER, OUTPUT, model_metadata, open_request
 from dlrmkit.worker import DELTA_HEADER, Worker, form_post, read_model_dir
@@ -491,14 +491,10 @@ register_routes()
 
 
 def default_workers(model_yaml: dict, config: DLRMConfig) -> int:
-    """The TorchServe door's CPU rule (dlrmkit.cpus): the model config's maxWorkers when it pins
-    them, else one process per handler.torch_threads CPUs when those are set, else one per CPU."""
-    if model_yaml.get("maxWorkers"):
-        return max(1, int(model_yaml["maxWorkers"]))
-    cpus = available_cpus()
-    if config.threads.torch_threads:
-        return max(1, cpus // config.threads.torch_threads)
-    return cpu_rule(cpus).workers
+    """The CPU rule (dlrmkit.cpus.model_workers) for the CPUs this process may use: the model
+    config's maxWorkers when it pins them, else one process per handler.torch_threads CPUs when
+    those are set, else one per CPU."""
+    return model_workers(model_yaml.get("maxWorkers"), available_cpus(), config.threads.torch_threads)
 
 
 def say_how() -> None:

@@ -97,6 +97,21 @@ def cpu_rule(cpus: int) -> Placement:
     return Placement(max(1, cpus), 1)
 
 
+def model_workers(max_workers: int | None, cpus: int, torch_threads: int = 0) -> int:
+    """Worker processes of one model on ``cpus`` CPUs: the model config's ``maxWorkers`` when it
+    pins them, else one per ``torch_threads`` CPUs when those are set (the KServe door's processes),
+    else the rule's count.
+
+    >>> model_workers(None, 4), model_workers(3, 4), model_workers(None, 4, torch_threads=2)
+    (4, 3, 2)
+    """
+    if max_workers:
+        return max(1, int(max_workers))
+    if torch_threads:
+        return max(1, cpus // torch_threads)
+    return cpu_rule(cpus).workers
+
+
 def torch_threads(configured: int, workers: int | None, cpus: int | None = None) -> int:
     """Intra-op threads for one worker: as configured (``handler.torch_threads``), else the
     worker's share of the CPUs (``workers`` None: the rule's count for these CPUs)."""

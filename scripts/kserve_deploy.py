@@ -16,8 +16,9 @@ scripts/sizing.py for the config and a pod of --cpus CPUs (the CPU rule's worker
 dlrmkit.cpus.cpu_rule: one single-threaded worker per CPU; memory for those workers and the chosen
 embedding dtype; startupProbe allowing the config's startupTimeout). ``layout`` writes the same
 worker count into the runtime's model_snapshot: give both the same --cpus (default 2).
-``sizing --door kserve`` sizes the second door's InferenceService (dlrm_kserve.py, one process
-scoring with the pod's CPUs as torch threads): its port and kserve's health paths.
+``sizing --door kserve`` sizes the second door's InferenceService (dlrm_kserve.py: its REST
+processes by the same CPU rule, plus the server's own, each loading the model): its port and
+kserve's health paths.
 """
 
 from __future__ import annotations
@@ -44,10 +45,19 @@ DOOR_NAME = "dlrm-kserve"  # the second door's InferenceService (deploy/kserve/k
 
 
 def pod_workers(top: dict, cpus: int) -> int:
-    """The config's maxWorkers when it pins one, else the CPU rule's count for the pod's CPUs."""
-    from dlrmkit.cpus import cpu_rule
+    """TorchServe's workers: the config's maxWorkers when it pins one, else the CPU rule's count for
+    the pod's CPUs (dlrmkit.cpus.model_workers)."""
+    from dlrmkit.cpus import model_workers
 
-    return int(top.get("maxWorkers") or cpu_rule(cpus).workers)
+    return model_workers(top.get("maxWorkers"), cpus)
+
+
+def door_processes(top: dict, config, cpus: int) -> int:
+    """The second door's processes that each load the model in a pod of ``cpus`` CPUs: its REST
+    processes (dlrm_kserve.py's --workers default, the same rule) and the server's own (gRPC)."""
+    from dlrmkit.cpus import model_workers
+
+    return model_workers(top.get("maxWorkers"), cpus, config.threads.torch_threads) + 1
 
 
 def properties(
@@ -132,7 +142,8 @@ def sizing_patch(
 ) -> str:
     """The kustomize strategic-merge patch of the InferenceService's predictor, or of the plain
     Deployment's container, for a pod of ``cpus`` CPUs. ``door`` kserve: the second door's
-    InferenceService (one process holding the model and kserve's server, on DOOR_PORT)."""
+    InferenceService (its REST processes and its server's own, each holding the model beside
+    kserve's server, on DOOR_PORT)."""
     import yaml
 
     from scripts import sizing
@@ -140,7 +151,7 @@ def sizing_patch(
 
     config = DLRMConfig.from_yaml(config_path)
     top = yaml.safe_load(config_path.read_text()) or {}
-    workers = 1 if door == "kserve" else pod_workers(top, cpus)
+    workers = door_processes(top, config, cpus) if door == "kserve" else pod_workers(top, cpus)
     overhead = sizing.parse_bytes("450MiB")
     # The budget only feeds the report's worker counts, unused here: replicas scale out instead.
     rep = sizing.report(config, 64 * GIB, overhead, 20.0, 200.0)["dtypes"][config.build.embedding_dtype]
@@ -196,7 +207,7 @@ def sizing_patch(
         f"{' --door kserve' if door == 'kserve' else ''} --config {config_path.name}"
         f"{'' if cpus == POD_CPUS else f' --cpus {cpus}'}: "
         f"{config.build.embedding_dtype} tables {sizing.human(rep['table_bytes'])}, "
-        f"{'one process' if door == 'kserve' else f'{workers} worker(s)'},\n"
+        f"{f'{workers} processes' if door == 'kserve' else f'{workers} worker(s)'},\n"
         f"# startupTimeout {startup_s} s. Regenerate it when the config changes (a test compares).\n"
     )
     return head + yaml.safe_dump(patch, sort_keys=False)

@@ -211,3 +211,20 @@ def test_the_second_doors_runtime_runs_the_images_kserve_command_on_its_ports():
     # the image installs the door extra's kserve; the tests run against the test extra's: one version
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert set(extras["door"]) <= set(extras["test"]), extras["door"]
+
+
+def test_the_second_doors_memory_counts_every_process_that_loads_the_model(tmp_path):
+    """dlrm_kserve.py runs, unless told, one REST process per CPU (the CPU rule) beside the server's
+    own, each loading the model: the pod's memory is sized for all of them, one more per CPU."""
+    from scripts import kserve_deploy
+
+    def memory(cpus: int, **top) -> tuple[str, str]:
+        path = tmp_path / f"cfg-{cpus}-{len(top)}.yaml"
+        path.write_text(yaml.safe_dump({**yaml.safe_load((ROOT / "model-config.yaml").read_text()), **top}))
+        text = kserve_deploy.sizing_patch(path, door="kserve", cpus=cpus)
+        return text.split(", ")[1].split(",")[0], yaml.safe_load(text)["spec"]["predictor"]["model"]["resources"]
+
+    assert memory(2)[0] == "3 processes" and memory(4)[0] == "5 processes"
+    assert memory(4, maxWorkers=1)[0] == "2 processes"  # a pinned maxWorkers wins, as in the door
+    gib = lambda r: int(r["limits"]["memory"].removesuffix("Gi"))  # noqa: E731
+    assert gib(memory(8)[1]) > gib(memory(2)[1])
