@@ -37,7 +37,7 @@ from pathlib import Path
 
 from bench import mlperf
 from bench.common import RANKING, ROOT, build_archive, frontend_pid, log, machine, make_body, make_kind, md_table
-from bench.common import measure_load, run_dir, serving, write_report
+from bench.common import cpu_seconds, measure_load, run_dir, serving, write_report
 from scripts.tsctl import free_port, post
 
 DOORS = ("torchserve", "kserve")
@@ -101,8 +101,6 @@ class Door:
 
 
 def torchserve_cpu(srv, model: str):
-    from bench.common import cpu_seconds
-
     def cpu() -> dict[str, float]:
         return {"frontend": cpu_seconds([frontend_pid(srv)]), "workers": cpu_seconds(srv.worker_pids(model))}
 
@@ -190,7 +188,7 @@ def container_torchserve_cpu(pid: int):
                     groups["frontend"].append(p)
                 elif name.startswith("python"):
                     groups["workers"].append(p)
-        return {k: sum(thread_cpu([p], "")[1] for p in v) for k, v in groups.items()}
+        return {k: cpu_seconds(v) for k, v in groups.items()}
 
     return cpu
 
