@@ -307,6 +307,19 @@ def _stage_ms(model, cfg, query: mlperf.Query, form: str, reps: int) -> dict[str
 PHASES = ("preprocess", "inference", "postprocess")  # the handler's own counters, dlrm_<phase>_ms_total
 
 
+def counted(srv, name: str, counters: list, at_least: float = 0, wait_s: float = 15) -> dict:
+    """The model's ``counters`` once ``dlrm_requests_total`` has reached ``at_least`` and then held
+    still for one more read (a worker's counters reach the frontend's metrics a little after its
+    answers, and not all at once); what they are at ``wait_s`` if that never happens."""
+    deadline, last = time.monotonic() + wait_s, None
+    while True:
+        now = {c: metric_value(srv, name, c) for c in counters}
+        if (now["dlrm_requests_total"] >= at_least and now == last) or time.monotonic() > deadline:
+            return now
+        last = now
+        time.sleep(0.2)
+
+
 def query_profile(
     srv, name: str, url: str, pool: list, model, cfg, form: str, reps: int, split_most: int = 1
 ) -> list[dict]:
@@ -332,16 +345,14 @@ def query_profile(
                     raise RuntimeError(f"the profile's query was answered {status}")
                 return (time.perf_counter() - t0) * 1000
 
+            # the workers' counters reach the frontend's metrics a little after their answers: count
+            # from where the two warm-up sends have landed, to where the timed sends have
+            start = counted(srv, name, counters)
             send(), send()
-            before = {c: metric_value(srv, name, c) for c in counters}
+            before = counted(srv, name, counters, start["dlrm_requests_total"] + 2 * len(reqs))
             client = [send() for _ in range(reps)]
-            # the workers' counters reach the frontend's metrics a little after their answers
-            deadline, after, want = time.monotonic() + 15, before, reps * len(reqs)
-            while time.monotonic() < deadline:
-                after = {c: metric_value(srv, name, c) for c in counters}
-                if after["dlrm_requests_total"] - before["dlrm_requests_total"] >= want:
-                    break
-                time.sleep(0.2)
+            want = reps * len(reqs)
+            after = counted(srv, name, counters, before["dlrm_requests_total"] + want)
             n = after["dlrm_requests_total"] - before["dlrm_requests_total"]
             worker = {p: round((after[f"dlrm_{p}_ms_total"] - before[f"dlrm_{p}_ms_total"]) / n, 2) for p in PHASES}
             row = {
