@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import json
 import random
+import re
 import signal
 import statistics
 import sys
@@ -37,6 +38,7 @@ from bench import mlperf
 from bench.common import HostForward, ROOT, build_archive, frontend_pid, jit_cpu_seconds, jit_cpu_since, load_served
 from bench.common import clock_mhz, dense_macs_per_row, int8_peak, log, machine, md_table, metric_value, run_dir
 from bench.common import serving, unpack, write_report
+from scripts.tsctl import WARMUP_KEY
 
 HOST_BATCH = 256
 # Issue 29's targets per config: pairs/s at the bound over an anchor measured in the same run.
@@ -142,13 +144,22 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
             workers = len(srv.worker_pids(name))
             most = split_parts(torch_threads(cfg.threads.torch_threads, workers))
             profile = query_profile(srv, name, url, pool, model, cfg, form, args.profile_reps, most)
-        ready = None
+        ready = cold = None
         if args.ready_run and found["best"]:
             qps = found["best"]["target_qps"] / 2
-            home = tmp / f"home-{name}-ready"
+            # as shipped: ready once the plugin's warm-up ended (the properties' dlrm_warmup_seconds);
+            # then the same with the warm-up off: ready when a worker has loaded, what it saves
             ready = ready_run(
-                lambda: serving(home, tmp / "store", {name: probe}, env), form, name, pool, qps, args, tag, frontend_pid
-            )
+                lambda: serving(tmp / f"home-{name}-ready", tmp / "store", {name: probe}, env),
+                form, name, pool, qps, args, tag, frontend_pid,
+            )  # fmt: skip
+            cold = ready_run(
+                lambda: serving(
+                    tmp / f"home-{name}-cold", tmp / "store", {name: probe}, env,
+                    overrides={WARMUP_KEY: 0},
+                ),
+                form, name, pool, qps, args, f"{tag}-no-warm-up", frontend_pid,
+            )  # fmt: skip
         after = host.measure(HOST_BATCH, args.host_seconds)
         stock_after = stock.measure(HOST_BATCH, args.host_seconds) if stock else None
     finally:
@@ -160,7 +171,7 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
     row = {"config": cfg_path.name, "variant": variant, "form": form, "overlay": items, "dense": dense}
     with contextlib.suppress(ValueError):  # an interaction it does not count: no MACs, no peak share
         row["dense_macs_per_row"] = dense_macs_per_row(cfg)
-    row.update(split_pairs=split, workers=workers, warm_up=warm, ready_run=ready)
+    row.update(split_pairs=split, workers=workers, warm_up=warm, ready_run=ready, ready_run_cold=cold)
     row.update(batch_size=doc.get("batchSize"), pairs_mean=round(mean_pairs, 1), host_before=before, host_after=after)
     row.update(host_rows_per_s=round(host_rows), cpus=before["cpus"], runs=found["runs"], valid_qps=best["target_qps"])
     row.update(
@@ -223,6 +234,7 @@ def ready_run(start, form: str, name: str, pool: list, qps: float, args, tag: st
     t0 = time.perf_counter()
     with start() as srv:
         ready_s = round(time.perf_counter() - t0, 1)
+        warmed = plugin_warm_up(srv)
         jit = JitSampler(jit_pid(srv)) if jit_pid else None
         out = Path(args.loadgen_dir) / f"{tag}-{qps:.2f}qps-at-ready.txt"
         try:
@@ -232,6 +244,8 @@ def ready_run(start, form: str, name: str, pool: list, qps: float, args, tag: st
             if jit:
                 jit.stop()
     r.update(ready_s=ready_s, max_over_p99=round(r["max_ms"] / r["p99_ms"], 2) if r.get("p99_ms") else None)
+    if warmed:
+        r["plugin_warm_up"] = warmed
     if jit:
         t, end = r["started_at"], jit.samples[-1][0] if jit.samples else r["started_at"]
         for q in r["slowest"]:
@@ -242,6 +256,33 @@ def ready_run(start, form: str, name: str, pool: list, qps: float, args, tag: st
         f"max {r.get('max_ms')} ms; slowest: {r['slowest'][:3]}"
     )
     return r
+
+
+WARM_UP_ENDED = re.compile(
+    r"warm-up ended after (?P<requests>\d+) requests in (?P<rounds>\d+) round\(s\), (?P<seconds>[0-9.]+) s, "
+    r"the JIT at (?P<jit_share>[0-9.]+|n/a) of a CPU in the last round"
+)
+
+
+def plugin_warm_up(srv) -> dict | None:
+    """What the plugin's warm-up did before the server said ready (plugin/.../Warmup.java's line in
+    ts_log.log): requests, rounds, seconds, the JIT's share of a CPU in its last round; None when
+    there was none (dlrm_warmup_seconds=0) or no log (not a TorchServe)."""
+    log_dir = getattr(srv, "log_dir", None)
+    try:
+        m = WARM_UP_ENDED.search((Path(log_dir) / "ts_log.log").read_text()) if log_dir else None
+    except OSError:
+        return None
+    if not m:
+        return None
+    d = m.groupdict()
+    jit = None if d["jit_share"] == "n/a" else float(d["jit_share"])
+    return {
+        "requests": int(d["requests"]),
+        "rounds": int(d["rounds"]),
+        "seconds": float(d["seconds"]),
+        "jit_share": jit,
+    }
 
 
 JIT_SETTLED = 0.03  # of one CPU: the frontend's JIT compilers at about this share once its paths are compiled
@@ -604,8 +645,13 @@ def profile_lines(report: dict) -> list[str]:
                 f"Warm-up ({r['config']}, {label(r)}): {warm['seconds']} s in {warm['rounds']} round(s), the "
                 f"frontend's JIT at {warm['jit_share']:.1%} of a CPU in the last (settled below {JIT_SETTLED:.0%})."
             )
-        if r.get("ready_run"):
-            x = r["ready_run"]
+        for key, how in (
+            ("ready_run", "as shipped"),
+            ("ready_run_cold", "with the warm-up off (dlrm_warmup_seconds=0)"),
+        ):
+            if not r.get(key):
+                continue
+            x = r[key]
             slow = "; ".join(
                 f"{q['ms']:g} ms at {q['at_s']:g} s ({q['pairs']} pairs"
                 + (f", the frontend's JIT at {q['jit_cpus']:g} CPUs meanwhile" if q.get("jit_cpus") is not None else "")
@@ -617,8 +663,10 @@ def profile_lines(report: dict) -> list[str]:
                     f". The frontend's JIT compilers: {x['jit_cpus_first_10s']:g} CPUs over the first 10 s, "
                     f"{x.get('jit_cpus_last_10s')} over the last 10"
                 )
+            w = x.get("plugin_warm_up")
+            spent = f" ({w['seconds']:g} s of it the plugin's warm-up, {w['requests']:,} requests)" if w else ""
             lines.append(
-                f"Ready means warm ({r['config']}, {label(r)}): a fresh server, ready in {x['ready_s']:g} s, then "
+                f"Ready means warm ({r['config']}, {label(r)}), {how}: a fresh server, ready in {x['ready_s']:g} s{spent}, then "
                 f"LoadGen at {x['target_qps']:g} q/s (half the highest VALID rate) at once: "
                 f"{'VALID' if x['valid'] else 'INVALID'}, p99 {x.get('p99_ms')} ms, max {x.get('max_ms')} ms "
                 f"({x.get('max_over_p99')}x p99; the target: at most 2x, VALID in one run); slowest: {slow}."

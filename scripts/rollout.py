@@ -162,9 +162,14 @@ class Rollout:
             workers = answer[0]["workers"] if status == 200 else []
             if workers and all(w["status"] == "READY" for w in workers):
                 ok, status, seen = self.srv.ready(f"{self.model}/{version}", self.probe)
-                if ok:
-                    say(f"{version} answers: {seen}")
-                    return
+                if ok:  # it answers; promoted once warm too, or the model's readiness would dip
+                    answer = seen
+                    warm, seen = self.srv.warm(f"{self.model}/{version}")
+                    if warm:
+                        say(f"{version} answers: {answer}")
+                        return
+                    time.sleep(0.2)
+                    continue
                 if 400 <= status < 500:  # the model refuses the probe: waiting will not help
                     raise RolloutError(f"the probe got {seen}")
             else:

@@ -67,7 +67,7 @@ def start(args) -> int:
 
 def ready(args) -> int:
     """One readiness check of the running server (a Kubernetes exec readiness probe): the model
-    scores the sample request. Liveness is /ping; it cannot tell a failed model (docs/operations.md)."""
+    scores the sample request and its frontend is warm (/v2/models/{m}/ready). Liveness is /ping; it cannot tell a failed model (docs/operations.md)."""
     try:
         srv = Server.attach(Path(args.home))
     except FileNotFoundError as e:
@@ -75,6 +75,9 @@ def ready(args) -> int:
         return 1
     ok, _, seen = srv.ready(args.model, Path(args.sample).read_bytes(), timeout=args.probe_timeout)
     print(f"[serve] {'ready' if ok else 'not ready'}: {srv.url}/predictions/{args.model}: {seen}")
+    if ok:  # it answers; ready once its frontend is warm too (the plugin's warm-up)
+        ok, seen = srv.warm(args.model)
+        print(f"[serve] {'warm' if ok else 'not ready, warming up'}: {seen}")
     return 0 if ok else 1
 
 

@@ -63,6 +63,12 @@ def free_port(range_file: str | Path = "/proc/sys/net/ipv4/ip_local_port_range")
         return s.getsockname()[1]
 
 
+# The frontend plugin's warm-up budget in seconds (config.properties; plugin/.../Warmup.java: 60 when
+# unset, 0 = none). DLRM_WARMUP_SECONDS in the environment sets it on the servers this module starts
+# (the test suite's servers run with 0 unless a test asks for the warm-up).
+WARMUP_KEY, WARMUP_ENV = "dlrm_warmup_seconds", "DLRM_WARMUP_SECONDS"
+
+
 @dataclass
 class Server:
     """A TorchServe started from ``properties``; its pid file, key file and logs live under ``home``.
@@ -155,6 +161,8 @@ class Server:
         for key in ("metrics_config", "plugins_path"):  # relative to the properties file
             if props.get(key):
                 props[key] = str((self.properties.parent / props[key]).resolve())
+        if os.environ.get(WARMUP_ENV):  # below the overrides: a test's own override wins
+            props[WARMUP_KEY] = os.environ[WARMUP_ENV]
         props.update({k: str(v) for k, v in self.overrides.items()})
         props.setdefault("default_workers_per_model", str(default_workers()))
         path = self.home / "config.properties"
@@ -240,20 +248,38 @@ class Server:
             ok = False
         return (True, status, body.decode()) if ok else (False, status, f"HTTP 200 without scores: {body[:200]!r}")
 
+    def warm(self, model: str) -> tuple[bool, str]:
+        """The plugin's readiness, /v2/models/{model}/ready: 200 once a worker has loaded the model
+        and the frontend's warm-up ended (plugin/.../Warmup.java); 404: no plugin, nothing to wait
+        for. Returns (warm, what was seen)."""
+        name, _, version = model.partition("/")
+        path = f"/v2/models/{name}" + (f"/versions/{version}" if version else "") + "/ready"
+        try:
+            status, body, _ = get(self.url + path, headers=self.auth(), timeout=10)
+        except OSError as e:
+            return False, f"{path}: no answer: {e}"
+        return status in (200, 404), f"{path}: HTTP {status}: {body[:300].decode(errors='replace')}"
+
     def wait_ready(self, model: str, probe: bytes, timeout: float = 180.0, progress=None) -> dict:
-        """Poll ``ready`` until it holds; returns the decoded answer."""
+        """Poll ``ready`` until it holds and the model is warm (``warm``); returns the decoded answer
+        of the probe."""
         deadline = time.monotonic() + timeout
         last = "no answer yet"
+        answer = None
         while time.monotonic() < deadline:
             if not self.running():
                 raise RuntimeError(
                     f"TorchServe exited during startup; see {self.log_dir}/torchserve.out and ts_log.log"
                 )
-            ok, _, last = self.ready(model, probe)
-            if ok:
-                return json.loads(last)
+            if answer is None:
+                ok, _, last = self.ready(model, probe)
+                answer = json.loads(last) if ok else None
+            if answer is not None:
+                warm, last = self.warm(model)
+                if warm:
+                    return answer
             if progress and int(time.monotonic() - deadline + timeout) % 5 == 0:
-                progress(f"waiting for {model} to answer ({last})")
+                progress(f"waiting for {model} to {'answer' if answer is None else 'warm up'} ({last})")
             time.sleep(1.0)
         raise TimeoutError(f"{model} did not answer within {timeout:.0f} s (last: {last}); see {self.log_dir}/")
 

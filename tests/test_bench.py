@@ -683,13 +683,19 @@ def test_the_ready_run_reports_the_cold_queries_of_a_fresh_server(tmp_path):
         t = threading.Thread(target=srv.serve_forever, daemon=True)
         t.start()
         try:
-            yield types.SimpleNamespace(url=f"http://127.0.0.1:{srv.server_address[1]}")
+            yield types.SimpleNamespace(url=f"http://127.0.0.1:{srv.server_address[1]}", log_dir=tmp_path / "logs")
         finally:
             srv.shutdown()
 
     pool = [mlperf.Query(100 + i, b"{}", {"Content-Type": "application/json"}) for i in range(8)]
     args = types.SimpleNamespace(seconds=1.0, min_queries=200, max_seconds=20.0, loadgen_dir=tmp_path)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "ts_log.log").write_text(  # as plugin/.../Warmup.java logs the end of its warm-up
+        "2026-12-06T09:26:11,114 [INFO ] oip-warmup-m/1.0 dlrmkit.oip.Warmup - m 1.0: warm-up ended after 3214 "
+        "requests in 13 round(s), 13.5 s, the JIT at 0.030 of a CPU in the last round\n"
+    )
     r = server_scenario.ready_run(start, "columns", "m", pool, 200.0, args, "t", lambda srv: os.getpid())
+    assert r["plugin_warm_up"] == {"requests": 3214, "rounds": 13, "seconds": 13.5, "jit_share": 0.03}
     assert r["queries"] >= 200 and r["ready_s"] >= 0
     assert [q["ms"] >= 150 for q in r["slowest"][:2]] == [True, True]
     assert all(q["at_s"] < 1.0 for q in r["slowest"][:2])

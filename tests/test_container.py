@@ -215,13 +215,18 @@ def post(url: str, body: bytes, path: str = "/predictions/dlrm") -> tuple[int, d
 
 
 def ready(c: Container, port: int = 8085, body: bytes | None = None, timeout: float = 180):
-    """Wait (bounded) until the model scores a request; the container's log on failure."""
+    """Wait (bounded) until the model scores a request and says it is ready (/v2/models/dlrm/ready:
+    the image's TorchServe warms its frontend first); the container's log on failure."""
+    import urllib.request
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             if post(c.url(port), body or json.dumps(SEED).encode())[0] == 200:
-                return
-        except OSError:
+                with urllib.request.urlopen(c.url(port) + "/v2/models/dlrm/ready", timeout=10) as r:
+                    if r.status == 200:
+                        return
+        except OSError:  # HTTPError (503 while warming) included
             pass
         time.sleep(1)
     raise AssertionError(f"{c.name} never answered:\n{c.logs()[-4000:]}")

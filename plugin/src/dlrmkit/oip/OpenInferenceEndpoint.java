@@ -71,6 +71,7 @@ public final class OpenInferenceEndpoint extends ModelServerEndpoint {
                         "oip-install");
         t.setDaemon(true);
         t.start();
+        Warmup.watch();
     }
 
     /** A path under /v2/models that names a model (and maybe a version) and what is asked. */
@@ -116,9 +117,13 @@ public final class OpenInferenceEndpoint extends ModelServerEndpoint {
                         send(rsp, 200, modelMetadata(model));
                         break;
                     case "ready":
-                        boolean ready = readyWorkers(model) > 0;
+                        boolean ready = ready(model);
                         JsonObject body = field("name", model.getModelName());
                         body.addProperty("ready", ready);
+                        JsonObject warming = Warmup.result(model);
+                        if (!ready && warming != null && !Warmup.warm(model)) {
+                            body.add("warm_up", warming); // loaded, being warmed (Warmup)
+                        }
                         send(rsp, ready ? 200 : 503, body);
                         break;
                     case "config":
@@ -177,17 +182,22 @@ public final class OpenInferenceEndpoint extends ModelServerEndpoint {
         return body;
     }
 
-    /** Every registered model's default version has a worker that has loaded it. */
+    /** Every registered model's default version is ready. */
     static boolean serverReady() {
         boolean any = false;
         for (Map.Entry<String, ModelVersionedRefs> m : ModelManager.getInstance().getAllModels()) {
             Model model = m.getValue().getDefaultModel();
-            if (model == null || readyWorkers(model) == 0) {
+            if (model == null || !ready(model)) {
                 return false;
             }
             any = true;
         }
         return any;
+    }
+
+    /** A worker has loaded the model and the frontend's path to it is warm (Warmup). */
+    static boolean ready(Model model) {
+        return readyWorkers(model) > 0 && Warmup.warm(model);
     }
 
     /** Workers that have loaded the model and take jobs: the management API's READY. */
