@@ -268,6 +268,8 @@ def run(
         client_cpu_us_per_query=round(client / q * 1e6),
         summary=str(Path(out).relative_to(ROOT) if out and Path(out).is_relative_to(ROOT) else out or ""),
         slowest=slowest(sut.times, started),
+        first_5s=window(sut.times, started, 0, 5),  # a server just made ready: its cold start
+        after_5s=window(sut.times, started, 5, float("inf")),
         started_at=started,  # time.monotonic() when LoadGen began: the origin of slowest's at_s
     )
     if cpu0 and cpu1:  # a worker replaced meanwhile (its pid gone): no CPU figure for this run
@@ -284,6 +286,23 @@ def slowest(times: list[tuple[float, float, int]], started: float, n: int = 5) -
     """
     top = sorted(times, key=lambda t: t[0] - t[1])[:n]
     return [{"at_s": round(a - started, 2), "ms": round((b - a) * 1000, 1), "pairs": p} for a, b, p in top]
+
+
+def window(times: list[tuple[float, float, int]], started: float, a: float, b: float, bound_ms: float = 60.0) -> dict:
+    """The queries sent from ``a`` to ``b`` s after ``started``: how many, the slowest's ms, and how
+    many took longer than ``bound_ms`` (MLPerf's p99 bound for DLRM).
+
+    >>> window([(10.0, 10.05, 300), (11.0, 11.2, 700), (16.0, 16.01, 100)], 10.0, 0, 5)
+    {'queries': 2, 'max_ms': 200.0, 'over_bound': 1}
+    >>> window([(10.0, 10.05, 300)], 10.0, 5, 10)
+    {'queries': 0, 'max_ms': None, 'over_bound': 0}
+    """
+    ms = [(e - s) * 1000 for s, e, _ in times if a <= s - started < b]
+    return {
+        "queries": len(ms),
+        "max_ms": round(max(ms), 1) if ms else None,
+        "over_bound": sum(m > bound_ms for m in ms),
+    }
 
 
 _LATENCIES = {"50.00": "p50_ms", "90.00": "p90_ms", "99.00": "p99_ms", "99.90": "p999_ms"}

@@ -144,22 +144,22 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
             workers = len(srv.worker_pids(name))
             most = split_parts(torch_threads(cfg.threads.torch_threads, workers))
             profile = query_profile(srv, name, url, pool, model, cfg, form, args.profile_reps, most)
-        ready = cold = None
+        ready_runs = []
         if args.ready_run and found["best"]:
             qps = found["best"]["target_qps"] / 2
-            # as shipped: ready once the plugin's warm-up ended (the properties' dlrm_warmup_seconds);
-            # then the same with the warm-up off: ready when a worker has loaded, what it saves
-            ready = ready_run(
-                lambda: serving(tmp / f"home-{name}-ready", tmp / "store", {name: probe}, env),
-                form, name, pool, qps, args, tag, frontend_pid,
-            )  # fmt: skip
-            cold = ready_run(
-                lambda: serving(
-                    tmp / f"home-{name}-cold", tmp / "store", {name: probe}, env,
-                    overrides={WARMUP_KEY: 0},
-                ),
-                form, name, pool, qps, args, f"{tag}-no-warm-up", frontend_pid,
-            )  # fmt: skip
+            # as shipped (ready once the plugin's warm-up ended: the properties' dlrm_warmup_seconds) and
+            # with the warm-up off (ready when a worker has loaded), args.ready_run fresh servers each,
+            # in turns and the order swapped each turn
+            for i in range(args.ready_run):
+                for off in (False, True) if i % 2 == 0 else (True, False):
+                    how = "off" if off else "shipped"
+                    overrides = {WARMUP_KEY: 0} if off else {}
+                    home = tmp / f"home-{name}-ready-{i}-{how}"
+                    x = ready_run(
+                        lambda home=home, overrides=overrides: serving(home, tmp / "store", {name: probe}, env, overrides=overrides),
+                        form, name, pool, qps, args, f"{tag}-{i}-warm-up-{how}", frontend_pid,
+                    )  # fmt: skip
+                    ready_runs.append({"warm_up": how, **x})
         after = host.measure(HOST_BATCH, args.host_seconds)
         stock_after = stock.measure(HOST_BATCH, args.host_seconds) if stock else None
     finally:
@@ -171,7 +171,7 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
     row = {"config": cfg_path.name, "variant": variant, "form": form, "overlay": items, "dense": dense}
     with contextlib.suppress(ValueError):  # an interaction it does not count: no MACs, no peak share
         row["dense_macs_per_row"] = dense_macs_per_row(cfg)
-    row.update(split_pairs=split, workers=workers, warm_up=warm, ready_run=ready, ready_run_cold=cold)
+    row.update(split_pairs=split, workers=workers, warm_up=warm, ready_runs=ready_runs)
     row.update(batch_size=doc.get("batchSize"), pairs_mean=round(mean_pairs, 1), host_before=before, host_after=after)
     row.update(host_rows_per_s=round(host_rows), cpus=before["cpus"], runs=found["runs"], valid_qps=best["target_qps"])
     row.update(
@@ -285,6 +285,7 @@ def plugin_warm_up(srv) -> dict | None:
     }
 
 
+READY_HOW = {"shipped": "as shipped", "off": "with the warm-up off (dlrm_warmup_seconds=0)"}
 JIT_SETTLED = 0.03  # of one CPU: the frontend's JIT compilers at about this share once its paths are compiled
 
 
@@ -645,13 +646,30 @@ def profile_lines(report: dict) -> list[str]:
                 f"Warm-up ({r['config']}, {label(r)}): {warm['seconds']} s in {warm['rounds']} round(s), the "
                 f"frontend's JIT at {warm['jit_share']:.1%} of a CPU in the last (settled below {JIT_SETTLED:.0%})."
             )
-        for key, how in (
-            ("ready_run", "as shipped"),
-            ("ready_run_cold", "with the warm-up off (dlrm_warmup_seconds=0)"),
-        ):
-            if not r.get(key):
-                continue
-            x = r[key]
+        runs = r.get("ready_runs") or [  # a report from before the turns: one run, as shipped
+            {"warm_up": "shipped", **r["ready_run"]}
+        ] * bool(r.get("ready_run"))
+        for how in ("shipped", "off"):
+            each = [x for x in runs if x["warm_up"] == how]
+            if each:
+                first = [x["first_5s"] for x in each if x.get("first_5s")]
+                cold = (
+                    f"; queries over 60 ms among those sent in the first 5 s: "
+                    f"{sum(w['over_bound'] for w in first)} of {sum(w['queries'] for w in first)}, after: "
+                    f"{sum(x['after_5s']['over_bound'] for x in each if x.get('after_5s'))} of "
+                    f"{sum(x['after_5s']['queries'] for x in each if x.get('after_5s'))}"
+                    if first
+                    else ""
+                )
+                lines.append(
+                    f"Ready means warm ({r['config']}, {label(r)}), {READY_HOW[how]}: {len(each)} fresh server(s), "
+                    f"VALID in {sum(x['valid'] for x in each)}, max <= 2x p99 in "
+                    f"{sum((x.get('max_over_p99') or 99) <= 2 for x in each)}, ready in "
+                    + ", ".join(f"{x['ready_s']:g}" for x in each)
+                    + f" s{cold}."
+                )
+        for x in runs:
+            how = READY_HOW[x["warm_up"]]
             slow = "; ".join(
                 f"{q['ms']:g} ms at {q['at_s']:g} s ({q['pairs']} pairs"
                 + (f", the frontend's JIT at {q['jit_cpus']:g} CPUs meanwhile" if q.get("jit_cpus") is not None else "")
@@ -669,7 +687,13 @@ def profile_lines(report: dict) -> list[str]:
                 f"Ready means warm ({r['config']}, {label(r)}), {how}: a fresh server, ready in {x['ready_s']:g} s{spent}, then "
                 f"LoadGen at {x['target_qps']:g} q/s (half the highest VALID rate) at once: "
                 f"{'VALID' if x['valid'] else 'INVALID'}, p99 {x.get('p99_ms')} ms, max {x.get('max_ms')} ms "
-                f"({x.get('max_over_p99')}x p99; the target: at most 2x, VALID in one run); slowest: {slow}."
+                f"({x.get('max_over_p99')}x p99; the target: at most 2x, VALID in one run)"
+                + (
+                    f"; the first 5 s: max {x['first_5s']['max_ms']} ms, after: max {x['after_5s']['max_ms']} ms"
+                    if x.get("first_5s") and x.get("after_5s")
+                    else ""
+                )
+                + f"; slowest: {slow}."
             )
         if cpu:
             run = max((x for x in r["runs"] if "workers_cpu_us_per_query" in x), key=lambda x: x["target_qps"])
@@ -737,7 +761,8 @@ OPTIONS = (  # flag, type, default, help
         "--ready-run",
         int,
         1,
-        "after the search, a fresh server run at half the highest VALID rate the moment it is ready (0: none)",
+        "after the search, this many fresh servers as shipped and as many with the plugin's warm-up off, in turns, "
+        "each run at half the highest VALID rate the moment it is ready (0: none)",
     ),
     ("--warm-up-max", float, 90.0, "warm-up rounds stop here if the frontend's JIT has not settled"),
     ("--host-seconds", float, 3.0, "seconds per raw-forward measurement, each way"),

@@ -43,7 +43,8 @@ import org.slf4j.LoggerFactory;
  * own inference port, every form a client uses (the seed request and columns JSON on
  * /predictions, Open Inference Protocol JSON and binary tensors on /v2) at 1 row and at large
  * sizes, from CLIENTS_PER_WORKER connections per worker, in rounds of a second, until the
- * JVM's compilers spent under SETTLED of a CPU in a round (at least MIN_ROUNDS), or the warm-up
+ * JVM's compilers spent under SETTLED of a CPU in a round (at least MIN_ROUNDS rounds and
+ * MIN_REQUESTS requests, mostly one-row ones), or the warm-up
  * budget is spent. It starts when all the model's workers (minWorkers) have loaded it, or
  * ALL_LOADED_WAIT_MS after the first did. Until then the Open Inference Protocol's readiness (model and server) answers
  * 503, so a probe keeps traffic away. The bodies are built from the archive's oip-metadata.json
@@ -60,6 +61,18 @@ final class Warmup {
     static final double SETTLED = 0.03;
 
     static final int MIN_ROUNDS = 2;
+    /**
+     * Requests before it may stop: HotSpot compiles a method with C2 once its invocations and
+     * loop back-edges pass Tier4CompileThreshold (15,000), so a method called once per request
+     * is compiled for good only past that many. With fewer (3,000-6,000 in 13-21 s, Criteo on 2
+     * CPUs) the compilers had settled but real traffic crossed the threshold within its first
+     * second: 0.2-0.8 of a CPU compiling while the slowest queries waited, and under
+     * -XX:+PrintCompilation ~130 methods compiled in the first 8 s of LoadGen traffic against
+     * ~50 after 20,000 requests (by hand, one server each).
+     */
+    static final int MIN_REQUESTS = 20_000;
+    /** Each one-row form this many times per large body: per-request paths reach MIN_REQUESTS fast. */
+    static final int SMALL_PER_LARGE = 8;
     static final long ROUND_MS = 1000;
     /** Rows of the large bodies: the Server scenario's queries are 100-700 pairs. */
     static final int[] ROWS = {1, 128, 700};
@@ -288,7 +301,7 @@ final class Warmup {
                 spent += e.getValue() - c0.getOrDefault(e.getKey(), 0.0);
             }
             r.jitShare = spent / ((System.nanoTime() - r0) / 1e9);
-            if (r.rounds >= MIN_ROUNDS && r.jitShare < SETTLED) {
+            if (r.rounds >= MIN_ROUNDS && r.requests >= MIN_REQUESTS && r.jitShare < SETTLED) {
                 return;
             }
         }
@@ -496,16 +509,25 @@ final class Warmup {
         String host = address.getAddress().getHostAddress();
         host = (host.contains(":") ? "[" + host + "]" : host) + ":" + address.getPort();
         String token = inferenceToken();
-        List<Post> out = new ArrayList<>();
-        out.add(post(host, predictions, "application/json", seed(dense, sparse), token, -1));
+        List<Post> small = new ArrayList<>();
+        List<Post> large = new ArrayList<>();
+        small.add(post(host, predictions, "application/json", seed(dense, sparse), token, -1));
         for (int rows : ROWS) {
             if (most > 0 && rows > most) {
                 rows = most;
             }
-            out.add(post(host, predictions, "application/json", columns(rows, dense, sparse), token, -1));
-            out.add(post(host, v2, "application/json", v2Json(rows, dense, sparse), token, -1));
+            List<Post> to = rows == 1 ? small : large;
+            to.add(post(host, predictions, "application/json", columns(rows, dense, sparse), token, -1));
+            to.add(post(host, v2, "application/json", v2Json(rows, dense, sparse), token, -1));
             byte[][] binary = v2Binary(rows, dense, sparse);
-            out.add(post(host, v2, "application/octet-stream", binary[1], token, binary[0].length));
+            to.add(post(host, v2, "application/octet-stream", binary[1], token, binary[0].length));
+        }
+        List<Post> out = new ArrayList<>(); // the large ones spread among the small ones
+        for (Post big : large) {
+            for (int i = 0; i < SMALL_PER_LARGE; i++) {
+                out.addAll(small);
+            }
+            out.add(big);
         }
         return out;
     }
