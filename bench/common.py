@@ -636,12 +636,16 @@ def md_table(header: list[str], rows: list[list], right: bool = False, align: st
     ]
 
 
-def write_report(out: Path, report: dict, lines: list[str], plot=None) -> None:
+def write_report(out: Path, report: dict, lines, plot=None) -> None:
     """OUT.json (the report), OUT.md (its lines, also printed) and, with ``plot``
-    (``plot(report, path)``), OUT.png; a missing matplotlib skips the plot and says so."""
+    (``plot(report, path)``), OUT.png; a missing matplotlib skips the plot and says so. ``lines``:
+    the markdown's lines, or ``lines(report)`` makes them once the JSON is written (a run that took
+    long is never lost to a bug in its report: ``--from-json`` renders it again)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    if callable(lines):
+        lines = lines(report)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     written = [out.with_suffix(".json").name, out.with_suffix(".md").name]

@@ -646,9 +646,9 @@ def profile_lines(report: dict) -> list[str]:
                 f"Warm-up ({r['config']}, {label(r)}): {warm['seconds']} s in {warm['rounds']} round(s), the "
                 f"frontend's JIT at {warm['jit_share']:.1%} of a CPU in the last (settled below {JIT_SETTLED:.0%})."
             )
-        runs = r.get("ready_runs") or [  # a report from before the turns: one run, as shipped
-            {"warm_up": "shipped", **r["ready_run"]}
-        ] * bool(r.get("ready_run"))
+        runs = r.get("ready_runs") or (  # a report from before the turns: one run, as shipped
+            [{"warm_up": "shipped", **r["ready_run"]}] if r.get("ready_run") else []
+        )
         for how in ("shipped", "off"):
             each = [x for x in runs if x["warm_up"] == how]
             if each:
@@ -802,7 +802,7 @@ def main(argv: list[str] | None = None) -> int:
     report["machine"]["load_average_at_start"] = load_at_start
     report["machine"]["int8_peak"] = int8_peak(cpu_flags(), clock_mhz())
     report.update(rows=rows, wall_s=round(time.perf_counter() - started))
-    write_report(out / "server-scenario", report, markdown(report), plot)
+    write_report(out / "server-scenario", report, markdown, plot)
     return 0
 
 

@@ -251,6 +251,20 @@ final class Warmup {
         List<Post> requests = requests(address, model);
         boolean timed = jitCpuSeconds() != null;
         long deadline = t0 + (long) (budgetSeconds() * 1e9);
+        // TorchServe binds its ports once the models it loads at start have loaded: a moment after
+        // the workers this waited for. Connect until the port answers (within the budget).
+        while (true) {
+            try (Socket probe = new Socket()) {
+                probe.connect(address, 1_000);
+                break;
+            } catch (IOException e) {
+                if (System.nanoTime() > deadline) {
+                    r.note = "the inference port never accepted a connection: " + e;
+                    return;
+                }
+                Thread.sleep(100);
+            }
+        }
         int threads = CLIENTS_PER_WORKER * Math.max(1, OpenInferenceEndpoint.readyWorkers(model));
         AtomicInteger next = new AtomicInteger();
         while (System.nanoTime() < deadline) {
