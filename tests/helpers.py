@@ -58,6 +58,20 @@ def archive(tmp_path: Path, model, dtype: str, **changes) -> Path:
     return path
 
 
+def tiny_mar(tmp: Path, **settings) -> Path:
+    """scripts/build_mar.py's archive of the tiny model (conftest.TINY) with these TorchServe
+    ``settings`` (minWorkers, batchSize, ...) in its model config: tmp/store/dlrm.mar."""
+    import yaml
+
+    from conftest import TINY
+    from scripts import build_mar
+
+    config = tmp / "model-config.yaml"
+    config.write_text(yaml.safe_dump({**settings, "handler": TINY}))
+    build_mar.main(["--config", str(config), "--output-dir", str(tmp / "store"), "--force"])
+    return tmp / "store" / "dlrm.mar"
+
+
 def batch(n=64, seed=1):
     """B = n rows of the tiny config: (dense, KJT)."""
     return DLRMFactory(tiny_config()).probe_batch(n, torch.Generator().manual_seed(seed))

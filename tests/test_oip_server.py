@@ -11,9 +11,9 @@ import time
 
 import numpy as np
 import pytest
-import yaml
 
 from conftest import TINY
+from helpers import tiny_mar
 from scripts.tsctl import ROOT, Server, get, post
 
 pytestmark = pytest.mark.integration
@@ -36,23 +36,8 @@ def put(url: str) -> int:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     assert PLUGIN.is_file(), f"{PLUGIN} is missing: run `make plugin` (make test builds it)"
-    from scripts import build_mar
-
     tmp = tmp_path_factory.mktemp("oip")
-    config = tmp / "model-config.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "minWorkers": 1,
-                "maxWorkers": 1,
-                "batchSize": 8,
-                "maxBatchDelay": 20,
-                "responseTimeout": 60,
-                "handler": TINY,
-            }
-        )
-    )
-    build_mar.main(["--config", str(config), "--output-dir", str(tmp / "store"), "--force"])
+    tiny_mar(tmp, minWorkers=1, maxWorkers=1, batchSize=8, maxBatchDelay=20, responseTimeout=60)
     # TorchServe's own OIP mode on too: its gRPC service is then up, for the gRPC test below.
     srv = Server.on_free_ports(
         tmp / "home", model_store=tmp / "store", overrides={"ts_open_inference_protocol": "true"}

@@ -13,9 +13,9 @@ import threading
 import time
 
 import pytest
-import yaml
 
 from conftest import TINY
+from helpers import tiny_mar
 from scripts.tsctl import ROOT, Server, get, post
 
 pytestmark = pytest.mark.integration
@@ -26,22 +26,7 @@ SEED = json.dumps({"dense": [0.5] * F, "sparse": {"keys": ["feature_1"], "values
 
 
 def test_the_model_is_ready_only_once_its_frontend_is_warm(tmp_path):
-    from scripts import build_mar
-
-    config = tmp_path / "model-config.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "minWorkers": 2,
-                "maxWorkers": 2,
-                "batchSize": 8,
-                "maxBatchDelay": 5,
-                "responseTimeout": 60,
-                "handler": TINY,
-            }
-        )
-    )
-    build_mar.main(["--config", str(config), "--output-dir", str(tmp_path / "store"), "--force"])
+    tiny_mar(tmp_path, minWorkers=2, maxWorkers=2, batchSize=8, maxBatchDelay=5, responseTimeout=60)
     srv = Server.on_free_ports(
         tmp_path / "home",
         properties=ROOT / "config.production.properties",
