@@ -81,7 +81,8 @@ def test_the_model_is_ready_only_once_its_frontend_is_warm(tmp_path):
     unready = [b for status, b, scored in seen if status == 503 and scored == 200]
     warming = [b["warm_up"] for b in unready if "warm_up" in b]
     assert warming and all(w["done"] is False for w in warming) and all(b["ready"] is False for b in unready), seen
-    assert all(w["rounds"] <= rounds and w["requests"] <= requests for w in warming)
+    assert all(w["rounds"] <= rounds and w["requests"] <= requests and w["seconds"] <= seconds for w in warming)
+    assert max(w["seconds"] for w in warming) > 0  # how long so far, while it runs
     # no 200 before a 503 once the model scores: readiness never flaps back
     first_ok = (
         next(i for i, (status, _, _) in enumerate(seen) if status == 200)

@@ -97,6 +97,7 @@ final class Warmup {
 
     /** What one model's warm-up did (logged, and in the model's v2 ready answer). */
     static final class Result {
+        final long started = System.nanoTime();
         volatile boolean done;
         volatile int requests;
         volatile int refused;
@@ -110,7 +111,8 @@ final class Warmup {
             o.addProperty("done", done);
             o.addProperty("requests", requests);
             o.addProperty("rounds", rounds);
-            o.addProperty("seconds", Math.round(seconds * 10) / 10.0);
+            double s = done ? seconds : (System.nanoTime() - started) / 1e9; // so far, while warming
+            o.addProperty("seconds", Math.round(s * 10) / 10.0);
             if (jitShare >= 0) {
                 o.addProperty("jit_share", Math.round(jitShare * 1000) / 1000.0);
             }
@@ -217,7 +219,7 @@ final class Warmup {
     }
 
     private static void run(Model model, Result r) {
-        long t0 = System.nanoTime();
+        long t0 = r.started;
         try {
             warmUp(model, r, t0);
         } catch (IOException | RuntimeException e) {
