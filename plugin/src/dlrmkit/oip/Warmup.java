@@ -125,7 +125,23 @@ final class Warmup {
 
     private Warmup() {}
 
+    /** budgetSeconds(), read once: the properties do not change while the server runs. */
+    private static volatile Double budget;
+
+    /**
+     * dlrm_warmup_seconds, read (and a bad value warned about) once, not at every readiness
+     * probe and every tick of the watcher.
+     */
     static double budgetSeconds() {
+        Double b = budget;
+        if (b == null) {
+            b = readBudget();
+            budget = b;
+        }
+        return b;
+    }
+
+    private static double readBudget() {
         String v = ConfigManager.getInstance().getProperty(SECONDS_KEY, null);
         if (v == null || v.isBlank()) {
             return DEFAULT_SECONDS;
