@@ -368,6 +368,15 @@ def overlay(doc: dict, items: dict) -> tuple[dict, dict]:
     return doc, env
 
 
+def parse_variant(text: str) -> tuple[str, dict]:
+    """``NAME:k=v,k=v`` -> (NAME, {k: v}), values read as YAML (``batchSize=1`` -> 1)."""
+    import yaml
+
+    name, _, rest = text.partition(":")
+    items = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+    return name or "shipped", {k: yaml.safe_load(v) for k, v in items.items()}
+
+
 def build_archive(
     cfg_path: Path, store: Path, name: str, items: dict | None = None, calibrate: Path | None = None
 ) -> tuple[Path, dict, dict]:

@@ -45,6 +45,8 @@ SETTINGS = {
     "batchSize=128": ({}, {"batchSize": 128}),
     "maxBatchDelay=5": ({}, {"maxBatchDelay": 5}),
     "batchSize=128 + netty_client_threads=1": ({"netty_client_threads": 1}, {"batchSize": 128}),
+    # the kit's plugin: batches by count alone, as TorchServe without it (docs/performance.md#batches-bounded)
+    "dlrm_batch_bytes=0": ({"dlrm_batch_bytes": 0}, {}),
 }
 HANDLER_KEYS = ("torch_threads",)
 # workers x torch threads per worker (the CPU rule's candidates, dlrmkit.cpus.cpu_rule)

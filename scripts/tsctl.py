@@ -67,6 +67,9 @@ def free_port(range_file: str | Path = "/proc/sys/net/ipv4/ip_local_port_range")
 # unset, 0 = none). DLRM_WARMUP_SECONDS in the environment sets it on the servers this module starts
 # (the test suite's servers run with 0 unless a test asks for the warm-up).
 WARMUP_KEY, WARMUP_ENV = "dlrm_warmup_seconds", "DLRM_WARMUP_SECONDS"
+# The plugin's batch budget in bytes of request bodies (plugin/.../BatchBudget.java; 0 = TorchServe's
+# own batching by count alone); DLRM_BATCH_BYTES in the environment sets it likewise.
+BATCH_BYTES_KEY, BATCH_BYTES_ENV = "dlrm_batch_bytes", "DLRM_BATCH_BYTES"
 
 
 @dataclass
@@ -111,6 +114,8 @@ class Server:
             "metrics_address": f"http://127.0.0.1:{free_port()}",
             "grpc_inference_port": free_port(),
             "grpc_management_port": free_port(),
+            # the workers' sockets, /tmp/.ts.sock.<port> whatever TMPDIR says: servers at once apart
+            "initial_worker_port": free_port(),
         }
         ports.update(kw.pop("overrides", None) or {})
         return cls(home=home, overrides=ports, **kw)
@@ -161,8 +166,9 @@ class Server:
         for key in ("metrics_config", "plugins_path"):  # relative to the properties file
             if props.get(key):
                 props[key] = str((self.properties.parent / props[key]).resolve())
-        if os.environ.get(WARMUP_ENV):  # below the overrides: a test's own override wins
-            props[WARMUP_KEY] = os.environ[WARMUP_ENV]
+        for key, name in ((WARMUP_KEY, WARMUP_ENV), (BATCH_BYTES_KEY, BATCH_BYTES_ENV)):
+            if os.environ.get(name):  # below the overrides: a test's own override wins
+                props[key] = os.environ[name]
         props.update({k: str(v) for k, v in self.overrides.items()})
         props.setdefault("default_workers_per_model", str(default_workers()))
         path = self.home / "config.properties"

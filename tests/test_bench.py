@@ -42,11 +42,11 @@ def test_overlay_sends_each_key_where_it_belongs():
 
 
 def test_parse_variant():
-    assert server_scenario.parse_variant("int8:handler.dense_precision=int8,batchSize=1") == (
+    assert common.parse_variant("int8:handler.dense_precision=int8,batchSize=1") == (
         "int8",
         {"handler.dense_precision": "int8", "batchSize": 1},
     )
-    assert server_scenario.parse_variant("fp32:") == ("fp32", {})
+    assert common.parse_variant("fp32:") == ("fp32", {})
 
 
 def test_write_report_writes_json_md_and_the_plot(tmp_path):
@@ -714,3 +714,29 @@ def test_the_jit_sampler_gives_the_cpus_used_between_two_times():
     sampler.samples = [(10.0, 1.0), (10.5, 1.25), (11.0, 1.5), (12.0, 1.5)]
     assert sampler.share(10.0, 11.0) == 0.5 and sampler.share(11.0, 12.0) == 0.0
     assert sampler.share(10.6, 10.9) is None  # one sample or none: no figure
+
+
+def test_turns_runs_each_variant_at_each_rate_in_turns_against_real_torchservers(tmp_path):
+    from bench import turns
+
+    args = ["--config", "model-config.yaml", "--variant", "b64:", "--variant", "b8:batchSize=8,batchBytes=4096"]
+    args += ["--rates", "10", "--turns", "2", "--seconds", "2", "--max-seconds", "4", "--min-queries", "10"]
+    args += ["--queries", "16", "--prime", "1", "--out", str(tmp_path / "turns")]
+    assert turns.main(args) == 0
+    out = tmp_path / "turns"
+    report = json.loads((out / "turns.json").read_text())
+    # turn 0 in the given order, turn 1 rotated by one: a drift of the host hits both alike
+    assert [(r["turn"], r["variant"]) for r in report["runs"]] == [(0, "b64"), (0, "b8"), (1, "b8"), (1, "b64")]
+    for r in report["runs"]:
+        assert r["errors"] == 0 and r["p99_ms"] > 0 and r["workers_cpu_us_per_query"] > 0
+        summary = (out / "loadgen" / f"{r['variant']}-10qps-turn{r['turn']}.txt").read_text()
+        assert mlperf.parse_summary(summary)["p99_ms"] == r["p99_ms"]
+    b64, b8 = report["summary"]
+    assert b64["p99_ratio"] == 1.0 and b64["runs"] == b8["runs"] == 2
+    by_turn = {(r["variant"], r["turn"]): r["p99_ms"] for r in report["runs"]}
+    import statistics
+
+    assert b8["p99_ratio"] == round(statistics.median(by_turn["b8", t] / by_turn["b64", t] for t in (0, 1)), 3)
+    md = (out / "turns.md").read_text()
+    assert f"| 10 | b8 | {b8['valid']} / 2 | {by_turn['b8', 0]}, {by_turn['b8', 1]} |" in md
+    assert "`b8` {'batchSize': 8, 'batchBytes': 4096} (columns)" in md

@@ -13,6 +13,7 @@ import java.util.List;
 import java.util.Map;
 import java.util.concurrent.AbstractExecutorService;
 import java.util.concurrent.ExecutorService;
+import java.util.concurrent.RunnableFuture;
 import java.util.concurrent.TimeUnit;
 import org.pytorch.serve.metrics.IMetric;
 import org.pytorch.serve.metrics.MetricCache;
@@ -36,7 +37,8 @@ import org.pytorch.serve.wlm.WorkLoadManager;
  * POST body (IllegalReferenceCountException). This executor takes the pool's place in
  * WorkLoadManager; while the request is still alive on the event loop it recognises the
  * Runnable that would run this plugin for an infer, reads the ChannelHandlerContext and the
- * request from it, and queues the job itself. Every other task goes to the pool unchanged.
+ * request from it, and queues the job itself. Every other task goes to the pool unchanged, a
+ * worker thread with its batches bounded first (BatchBudget).
  */
 final class StockInference extends AbstractExecutorService {
     private final ExecutorService pool;
@@ -65,6 +67,16 @@ final class StockInference extends AbstractExecutorService {
         } catch (ReflectiveOperationException e) {
             throw new IllegalStateException("TorchServe 0.12's ModelManager.wlm / threadPool not found", e);
         }
+    }
+
+    /**
+     * WorkLoadManager starts each worker thread with submit(thread): the thread gets the batch
+     * budget (BatchBudget) before it runs.
+     */
+    @Override
+    protected <T> RunnableFuture<T> newTaskFor(Runnable task, T value) {
+        BatchBudget.install(task);
+        return super.newTaskFor(task, value);
     }
 
     @Override

@@ -1,0 +1,88 @@
+"""Integration: batches bounded. A real TorchServe with the kit's plugin and a model whose config
+sets a batch budget (batchBytes) of two large bodies: six large requests queued at once (one
+worker, a batch delay long enough for all of them to arrive) are scored as three handler calls of
+two, each answered with its own scores; TorchServe alone merges them into one. Small requests still
+merge. The model's key wins over the server's dlrm_batch_bytes."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import TINY, tiny_config
+from dlrmkit.batch import collate, scores
+from dlrmkit.forms import RequestParser
+from dlrmkit.model import DLRMFactory
+from helpers import instance, metrics_delta, settled, tiny_mar
+from scripts.tsctl import Server, post
+
+pytestmark = pytest.mark.integration
+
+F = TINY["num_dense_features"]
+ROWS = TINY["max_instances_per_request"]
+
+
+def large(rng: random.Random) -> bytes:
+    """A request of the most rows a request may have, every row its own."""
+    rows = [
+        instance(
+            [round(rng.uniform(-2, 2), 6) for _ in range(F)],
+            feature_0=[rng.randrange(20)],
+            feature_2=[rng.randrange(40)],
+        )
+        for _ in range(ROWS)
+    ]
+    return json.dumps({"instances": rows}).encode()
+
+
+def test_queued_large_requests_are_scored_as_batches_within_the_budget(tmp_path):
+    rng = random.Random(7)
+    bodies = [large(rng) for _ in range(6)]
+    budget = 2 * max(map(len, bodies)) + min(map(len, bodies)) // 2  # two bodies fit, three never
+    mar = tiny_mar(
+        tmp_path, minWorkers=1, maxWorkers=1, batchSize=64, maxBatchDelay=1500, responseTimeout=60, batchBytes=budget
+    )
+    with zipfile.ZipFile(mar) as z:
+        z.extract("dlrm.pt", tmp_path)
+    config = tiny_config()
+    model, parser = DLRMFactory(config).load(tmp_path / "dlrm.pt"), RequestParser(config)
+    expected = [scores(model, collate([parser.parse(b)], config)[0], config)[0] for b in bodies]
+    srv = Server.on_free_ports(tmp_path / "home", model_store=tmp_path / "store", overrides={"dlrm_batch_bytes": 1})
+    try:
+        srv.start()
+        srv.wait_ready("dlrm", bodies[0], timeout=180)
+        log = (srv.log_dir / "ts_log.log").read_text()
+        assert f"dlrm: batches stop at {budget} bytes of bodies (batchBytes)" in log
+
+        before = settled(srv)
+        url = f"{srv.url}/predictions/dlrm"
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            answers = []
+            for b in bodies:  # in this order, each on its way before the next
+                answers.append(pool.submit(post, url, b, timeout=60))
+                time.sleep(0.02)
+            answers = [a.result() for a in answers]
+        delta = metrics_delta(srv, {"dlrm_requests_total": len(bodies)}, before)
+        assert delta["dlrm_requests_total"] == len(bodies)
+        assert delta["dlrm_batches_total"] == 3, delta  # TorchServe alone: 1
+        assert delta["dlrm_instances_total"] == len(bodies) * ROWS
+        for (status, body, _), want in zip(answers, expected):
+            assert status == 200, body
+            got = json.loads(body)["scores"]
+            assert got == pytest.approx(want, abs=1e-5)
+
+        # small requests merge as before: 12 one-row bodies well under the budget, one batch or two
+        small = [json.dumps(json.loads(b)["instances"][0]).encode() for b in bodies * 2]
+        before = settled(srv)
+        with ThreadPoolExecutor(len(small)) as pool:
+            got = list(pool.map(lambda b: post(url, b, timeout=60)[0], small))
+        assert got == [200] * len(small)
+        delta = metrics_delta(srv, {"dlrm_requests_total": len(small)}, before)
+        assert delta["dlrm_batches_total"] <= 2, delta
+    finally:
+        srv.stop()
