@@ -11,7 +11,6 @@ import java.util.concurrent.ExecutionException;
 import org.pytorch.serve.archive.model.InvalidModelException;
 import org.pytorch.serve.archive.utils.ArchiveUtils;
 import org.pytorch.serve.job.Job;
-import org.pytorch.serve.util.ConfigManager;
 import org.pytorch.serve.util.messages.InputParameter;
 import org.pytorch.serve.util.messages.RequestInput;
 import org.pytorch.serve.wlm.BatchAggregator;
@@ -48,7 +47,7 @@ final class BatchBudget extends BatchAggregator {
     static final long DEFAULT_BYTES = 128 * 1024;
 
     private static final Logger LOG = LoggerFactory.getLogger(BatchBudget.class);
-    private static volatile Long budget;
+    private static final Setting BUDGET = new Setting(BYTES_KEY, DEFAULT_BYTES, "bytes");
 
     private final long bytes;
 
@@ -126,36 +125,9 @@ final class BatchBudget extends BatchAggregator {
         return Map.of();
     }
 
+    /** dlrm_batch_bytes, read once. */
     static long budgetBytes() {
-        Long b = budget;
-        if (b == null) {
-            b = readBudget();
-            budget = b;
-        }
-        return b;
-    }
-
-    private static long readBudget() {
-        String v = ConfigManager.getInstance().getProperty(BYTES_KEY, null);
-        if (v == null || v.isBlank()) {
-            return DEFAULT_BYTES;
-        }
-        try {
-            long n = Long.parseLong(v.trim());
-            if (n >= 0) {
-                return n;
-            }
-        } catch (NumberFormatException e) {
-            // said below
-        }
-        LOG.warn(
-                "{}={}: not a number of bytes >= 0 (e.g. {}={}); using {}",
-                BYTES_KEY,
-                v,
-                BYTES_KEY,
-                DEFAULT_BYTES,
-                DEFAULT_BYTES);
-        return DEFAULT_BYTES;
+        return (long) BUDGET.get();
     }
 
     @Override

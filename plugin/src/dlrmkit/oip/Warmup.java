@@ -125,43 +125,11 @@ final class Warmup {
 
     private Warmup() {}
 
-    /** budgetSeconds(), read once: the properties do not change while the server runs. */
-    private static volatile Double budget;
+    private static final Setting BUDGET = new Setting(SECONDS_KEY, DEFAULT_SECONDS, "seconds");
 
-    /**
-     * dlrm_warmup_seconds, read (and a bad value warned about) once, not at every readiness
-     * probe and every tick of the watcher.
-     */
+    /** dlrm_warmup_seconds, read once. */
     static double budgetSeconds() {
-        Double b = budget;
-        if (b == null) {
-            b = readBudget();
-            budget = b;
-        }
-        return b;
-    }
-
-    private static double readBudget() {
-        String v = ConfigManager.getInstance().getProperty(SECONDS_KEY, null);
-        if (v == null || v.isBlank()) {
-            return DEFAULT_SECONDS;
-        }
-        try {
-            double s = Double.parseDouble(v.trim());
-            if (s >= 0 && !Double.isNaN(s) && !Double.isInfinite(s)) {
-                return s;
-            }
-        } catch (NumberFormatException e) {
-            // said below
-        }
-        LOG.warn(
-                "{}={}: not a number of seconds >= 0 (e.g. {}={}); using {}",
-                SECONDS_KEY,
-                v,
-                SECONDS_KEY,
-                (int) DEFAULT_SECONDS,
-                DEFAULT_SECONDS);
-        return DEFAULT_SECONDS;
+        return BUDGET.get();
     }
 
     /** The model version's warm-up has ended (or there is none to wait for). */
