@@ -101,3 +101,5 @@ def test_the_model_is_ready_only_once_its_frontend_is_warm(tmp_path):
         re.search(r'^dlrm_requests_total\{[^}]*ModelName="dlrm"[^}]*\} ([0-9.eE+]+)$', metrics, re.M).group(1)
     )
     assert counted >= requests
+    # the production properties set no batch budget: the plugin's default bounds its batches (BatchBudget)
+    assert log.count("dlrm: batches stop at 131072 bytes of bodies (dlrm_batch_bytes)") == 2  # one per worker
