@@ -86,3 +86,17 @@ def test_queued_large_requests_are_scored_as_batches_within_the_budget(tmp_path)
         assert delta["dlrm_batches_total"] <= 2, delta
     finally:
         srv.stop()
+
+
+def test_a_bad_batch_budget_is_named_in_the_log_and_the_servers_applies(tmp_path):
+    tiny_mar(tmp_path, minWorkers=1, maxWorkers=1, batchBytes="lots")
+    srv = Server.on_free_ports(tmp_path / "home", model_store=tmp_path / "store", overrides={"dlrm_batch_bytes": 4096})
+    probe = json.dumps(instance([0.5] * F, feature_1=[3])).encode()
+    try:
+        srv.start()
+        srv.wait_ready("dlrm", probe, timeout=180)
+        log = (srv.log_dir / "ts_log.log").read_text()
+    finally:
+        srv.stop()
+    assert "dlrm: batchBytes: lots is not a number of bytes >= 0 (e.g. batchBytes: 131072); using 4096" in log
+    assert "dlrm: batches stop at 4096 bytes of bodies (dlrm_batch_bytes)" in log

@@ -74,11 +74,11 @@ final class BatchBudget extends BatchAggregator {
             Field m = BatchAggregator.class.getDeclaredField("model");
             m.setAccessible(true);
             Model model = (Model) m.get(current);
-            Map<String, Object> doc = modelConfig(model);
-            long bytes = budgetOf(model, doc);
+            Long own = modelBudget(model, modelConfig(model));
+            long bytes = own != null ? own : budgetBytes();
             if (bytes > 0) {
                 f.set(task, new BatchBudget(model, bytes));
-                String from = doc.containsKey(MODEL_KEY) ? MODEL_KEY : BYTES_KEY;
+                String from = own != null ? MODEL_KEY : BYTES_KEY;
                 LOG.info("{}: batches stop at {} bytes of bodies ({})", model.getModelName(), bytes, from);
             }
         } catch (ReflectiveOperationException | RuntimeException e) {
@@ -86,11 +86,11 @@ final class BatchBudget extends BatchAggregator {
         }
     }
 
-    /** The model config's batchBytes, else config.properties' dlrm_batch_bytes, else the default. */
-    static long budgetOf(Model model, Map<String, Object> doc) {
+    /** The model config's batchBytes; null when it has none or a bad one (said in the log). */
+    static Long modelBudget(Model model, Map<String, Object> doc) {
         Object v = doc.get(MODEL_KEY);
         if (v == null) {
-            return budgetBytes();
+            return null;
         }
         if (v instanceof Number && ((Number) v).longValue() >= 0 && ((Number) v).doubleValue() % 1 == 0) {
             return ((Number) v).longValue();
@@ -103,7 +103,7 @@ final class BatchBudget extends BatchAggregator {
                 MODEL_KEY,
                 DEFAULT_BYTES,
                 budgetBytes());
-        return budgetBytes();
+        return null;
     }
 
     /** The archive's model config file as a map (TorchServe keeps only the keys it knows). */
