@@ -136,6 +136,15 @@ def query_pool(cfg, n: int, seed: int = 11, scale: float = 1.0, form: str = "col
     return [make_query(cfg, rng, k, bags, form, split) for k in (query_pairs(rng, scale) for _ in range(n))]
 
 
+def pop_form(variant: str, items: dict, default: str) -> str:
+    """A variant's ``form=`` (taken out of ``items``: the load generator's, not the server's), else
+    ``default``; one that is not in FORMS ends the run, naming the variant."""
+    form = str(items.pop("form", default))
+    if form not in FORMS:
+        raise SystemExit(f"error: variant {variant}: form={form}: expected one of {', '.join(FORMS)}")
+    return form
+
+
 def path(form: str, model: str) -> str:
     """The route a query of ``form`` goes to."""
     return f"/v2/models/{model}/infer" if form == "v2-binary" else f"/predictions/{model}"

@@ -72,9 +72,7 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
     key = cfg_path.stem.removeprefix("model-config").strip(".") or "seed"
     items = dict(items)
     split = int(items.pop("split", args.split_pairs))  # the load generator's, not the server's
-    form = str(items.pop("form", args.form))  # how the load generator sends the queries
-    if form not in mlperf.FORMS:
-        raise SystemExit(f"error: variant {variant}: form={form}: expected one of {', '.join(mlperf.FORMS)}")
+    form = mlperf.pop_form(variant, items, args.form)  # how the load generator sends the queries
     tag = f"{key}-{variant}" + ("" if form == "columns" else f"-{form}") + (f"-split{split}" if split else "")
     name = tag.replace("-", "_").replace(".", "_")
     # An int8 dense half takes static activation scales from a sample of the traffic: the random

@@ -33,6 +33,9 @@ from bench import mlperf
 from bench.common import ROOT, build_archive, frontend_pid, log, machine, md_table, parse_variant, run_dir, serving
 from bench.common import write_report
 
+# What a run's report keeps of LoadGen's result (mlperf.run), beside the CPU per query of each group.
+KEPT = ("target_qps", "valid", "ok", "p50_ms", "p99_ms", "max_ms", "queries", "errors", "pairs_per_s")
+
 
 def served(cfg_path: Path, variants: list[tuple[str, dict]], tmp: Path, args) -> list[dict]:
     """Per variant: its archive built (overlay applied), its queries' form and pool."""
@@ -41,9 +44,7 @@ def served(cfg_path: Path, variants: list[tuple[str, dict]], tmp: Path, args) ->
     out = []
     for variant, items in variants:
         items = dict(items)
-        form = str(items.pop("form", args.form))
-        if form not in mlperf.FORMS:
-            raise SystemExit(f"error: variant {variant}: form={form}: expected one of {', '.join(mlperf.FORMS)}")
+        form = mlperf.pop_form(variant, items, args.form)
         name = variant.replace("-", "_").replace(".", "_")
         source, doc, env = build_archive(cfg_path, tmp / "store", name, items)
         cfg = DLRMConfig.from_yaml(source)
@@ -55,8 +56,11 @@ def served(cfg_path: Path, variants: list[tuple[str, dict]], tmp: Path, args) ->
     return out
 
 
-def in_turns(cfg_path: Path, variants: list[tuple[str, dict]], tmp: Path, args, loadgen_dir: Path) -> list[dict]:
-    """Every variant served at once; LoadGen at each rate against each, in turns. Returns the runs."""
+def in_turns(
+    cfg_path: Path, variants: list[tuple[str, dict]], tmp: Path, args, loadgen_dir: Path
+) -> tuple[list[dict], list[dict]]:
+    """Every variant served at once; LoadGen at each rate against each, in turns. Returns what was
+    served (each variant's name, overlay and form) and the runs."""
     runs = []
     with contextlib.ExitStack() as stack:
         vs = served(cfg_path, variants, tmp, args)
@@ -83,20 +87,9 @@ def in_turns(cfg_path: Path, variants: list[tuple[str, dict]], tmp: Path, args, 
                         f"  turn {turn} {v['variant']} {rate:g} q/s: {'VALID' if r['ok'] else 'INVALID'}, "
                         f"p99 {r.get('p99_ms')} ms, max {r.get('max_ms')} ms, {r['queries']} queries"
                     )
-                    keep = (
-                        "target_qps",
-                        "valid",
-                        "ok",
-                        "p50_ms",
-                        "p99_ms",
-                        "max_ms",
-                        "queries",
-                        "errors",
-                        "pairs_per_s",
-                    )
-                    runs.append({"turn": turn, "variant": v["variant"], **{k: r.get(k) for k in keep}})
+                    runs.append({"turn": turn, "variant": v["variant"], **{k: r.get(k) for k in KEPT}})
                     runs[-1].update({k: r[k] for k in r if k.endswith("_cpu_us_per_query")})
-    return runs
+    return [{k: v[k] for k in ("variant", "overlay", "form")} for v in vs], runs
 
 
 def summary(report: dict) -> list[dict]:
@@ -184,10 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # killed: the finally blocks stop the servers
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="dlrm-turns-") as tmp:
-        runs = in_turns(path, variants, Path(tmp), args, out / "loadgen")
+        served_as, runs = in_turns(path, variants, Path(tmp), args, out / "loadgen")
     report = {"machine": machine(), "config": path.name, "rates": args.rates, "turns": args.turns}
     report.update(seconds=args.seconds, min_queries=args.min_queries, max_seconds=args.max_seconds, prime=args.prime)
-    report["variants"] = [{"variant": v, "overlay": i, "form": i.get("form", args.form)} for v, i in variants]
+    report["variants"] = served_as
     report.update(runs=runs, wall_s=round(time.perf_counter() - started))
     report["summary"] = summary(report)
     write_report(out / "turns", report, markdown)

@@ -14,10 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from bench.common import expected_scores
 from conftest import TINY, tiny_config
-from dlrmkit.batch import collate, scores
-from dlrmkit.forms import RequestParser
-from dlrmkit.model import DLRMFactory
 from helpers import instance, metrics_delta, settled, tiny_mar
 from scripts.tsctl import Server, post
 
@@ -49,9 +47,7 @@ def test_queued_large_requests_are_scored_as_batches_within_the_budget(tmp_path)
     )
     with zipfile.ZipFile(mar) as z:
         z.extract("dlrm.pt", tmp_path)
-    config = tiny_config()
-    model, parser = DLRMFactory(config).load(tmp_path / "dlrm.pt"), RequestParser(config)
-    expected = [scores(model, collate([parser.parse(b)], config)[0], config)[0] for b in bodies]
+    expected = expected_scores(tiny_config(), tmp_path / "dlrm.pt", bodies)
     srv = Server.on_free_ports(tmp_path / "home", model_store=tmp_path / "store", overrides={"dlrm_batch_bytes": 1})
     try:
         srv.start()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -734,8 +735,6 @@ def test_turns_runs_each_variant_at_each_rate_in_turns_against_real_torchservers
     b64, b8 = report["summary"]
     assert b64["p99_ratio"] == 1.0 and b64["runs"] == b8["runs"] == 2
     by_turn = {(r["variant"], r["turn"]): r["p99_ms"] for r in report["runs"]}
-    import statistics
-
     assert b8["p99_ratio"] == round(statistics.median(by_turn["b8", t] / by_turn["b64", t] for t in (0, 1)), 3)
     md = (out / "turns.md").read_text()
     assert f"| 10 | b8 | {b8['valid']} / 2 | {by_turn['b8', 0]}, {by_turn['b8', 1]} |" in md
