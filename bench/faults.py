@@ -403,6 +403,9 @@ async def slow_clients(b: Bench) -> dict:
             writer.write(head + body[: len(body) // 2])
             await writer.drain()
             stalled.append(writer)
+        deadline = time.monotonic() + 10  # bounded wait for the frontend to accept all of them (Netty accepts later)
+        while open_fds(fe) < fds0 + STALLED and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
         fds_stalled.append(open_fds(fe))
         out, _ = await asyncio.gather(b.load(SLOW_CONCURRENCY, b.p.slow), hang_up(time.perf_counter() + b.p.slow))
         for writer in stalled:
