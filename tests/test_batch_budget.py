@@ -1,7 +1,8 @@
 """Integration: batches bounded. A real TorchServe with the kit's plugin and a model whose config
 sets a batch budget (batchBytes) of two large bodies: six large requests queued at once (one
 worker, a batch delay long enough for all of them to arrive) are scored as three handler calls of
-two, each answered with its own scores; TorchServe alone merges them into one. Small requests still
+two, each answered with its own scores; TorchServe alone merges them into one. An instances body
+counts 40% of its bytes. Small requests still
 merge. The model's key wins over the server's dlrm_batch_bytes."""
 
 from __future__ import annotations
@@ -25,23 +26,42 @@ F = TINY["num_dense_features"]
 ROWS = TINY["max_instances_per_request"]
 
 
-def large(rng: random.Random) -> bytes:
-    """A request of the most rows a request may have, every row its own."""
+def large(rng: random.Random) -> dict:
+    """A request of the most rows a request may have, every row its own, as instances."""
     rows = [
         instance(
-            [round(rng.uniform(-2, 2), 6) for _ in range(F)],
+            [round(rng.uniform(-2, 2), 2) for _ in range(F)],
             feature_0=[rng.randrange(20)],
+            feature_1=[rng.randrange(30)],
             feature_2=[rng.randrange(40)],
         )
         for _ in range(ROWS)
     ]
-    return json.dumps({"instances": rows}).encode()
+    return {"instances": rows}
+
+
+def as_columns(request: dict, size: int) -> bytes:
+    """The same rows as columns JSON, padded with spaces to ``size`` bytes."""
+    rows = request["instances"]
+    sparse = {
+        f: {"values": [v for r in rows for k, v in zip(r["sparse"]["keys"], r["sparse"]["values"]) if k == f]}
+        for f in ("feature_0", "feature_1", "feature_2")
+    }
+    body = json.dumps({"columns": {"dense": [r["dense"] for r in rows], "sparse": sparse}}).encode()
+    assert len(body) <= size, (len(body), size)
+    return body + b" " * (size - len(body))
 
 
 def test_queued_large_requests_are_scored_as_batches_within_the_budget(tmp_path):
+    """instances bodies count 40% of their bytes (they name every feature in every row), other
+    bodies their bytes: six bodies of one weight, alternating forms, budget two and a half of them."""
     rng = random.Random(7)
-    bodies = [large(rng) for _ in range(6)]
-    budget = 2 * max(map(len, bodies)) + min(map(len, bodies)) // 2  # two bodies fit, three never
+    instances = [json.dumps(large(rng)).encode() for _ in range(3)]
+    weight = max(len(b) * 40 // 100 for b in instances)
+    columns = [as_columns(large(rng), weight) for _ in range(3)]
+    bodies = [b for pair in zip(instances, columns) for b in pair]
+    budget = 2 * weight + weight // 2  # two bodies fit, three never
+    assert min(map(len, instances)) + weight > budget  # by bytes alone, each body would go alone
     mar = tiny_mar(
         tmp_path, minWorkers=1, maxWorkers=1, batchSize=64, maxBatchDelay=1500, responseTimeout=60, batchBytes=budget
     )
@@ -65,7 +85,7 @@ def test_queued_large_requests_are_scored_as_batches_within_the_budget(tmp_path)
             answers = [a.result() for a in answers]
         delta = metrics_delta(srv, {"dlrm_requests_total": len(bodies)}, before)
         assert delta["dlrm_requests_total"] == len(bodies)
-        assert delta["dlrm_batches_total"] == 3, delta  # TorchServe alone: 1
+        assert delta["dlrm_batches_total"] == 3, delta  # TorchServe alone: 1; instances by bytes: 6
         assert delta["dlrm_instances_total"] == len(bodies) * ROWS
         for (status, body, _), want in zip(answers, expected):
             assert status == 200, body
@@ -73,7 +93,7 @@ def test_queued_large_requests_are_scored_as_batches_within_the_budget(tmp_path)
             assert got == pytest.approx(want, abs=1e-5)
 
         # small requests merge as before: 12 one-row bodies well under the budget, one batch or two
-        small = [json.dumps(json.loads(b)["instances"][0]).encode() for b in bodies * 2]
+        small = [json.dumps(json.loads(b)["instances"][0]).encode() for b in instances * 4]
         before = settled(srv)
         with ThreadPoolExecutor(len(small)) as pool:
             got = list(pool.map(lambda b: post(url, b, timeout=60)[0], small))

@@ -3,6 +3,7 @@ package dlrmkit.oip;
 import java.io.File;
 import java.io.IOException;
 import java.lang.reflect.Field;
+import java.nio.charset.StandardCharsets;
 import java.util.ArrayList;
 import java.util.Iterator;
 import java.util.List;
@@ -29,7 +30,8 @@ import org.slf4j.LoggerFactory;
  * back to the head of the model's queue, in arrival order, for the next worker that asks. Small
  * requests still merge up to batchSize (64 one-row JSON bodies are ~40 KiB). The frontend sees
  * bodies, not rows (a row is ~70-250 bytes of columns JSON, ~160-260 of OIP binary, ~640 of
- * instances JSON): the handler's exact row bound per forward is dlrmkit.worker's MAX_ROWS_PER_FORWARD.
+ * instances JSON, counted at 40%: see size): the handler's exact row bound per forward is
+ * dlrmkit.worker's MAX_ROWS_PER_FORWARD.
  *
  * <p>The budget: the model config's batchBytes (top level, beside batchSize), else
  * config.properties' dlrm_batch_bytes (read once), else DEFAULT_BYTES; 0: TorchServe's own
@@ -42,9 +44,13 @@ final class BatchBudget extends BatchAggregator {
     static final String MODEL_KEY = "batchBytes";
     /**
      * About 500 rows of MLPerf-style queries as columns JSON, 800 as OIP binary tensors, three
-     * 128-row ranking requests, 45 one-row OIP binary requests (64 one-row JSON ones fit).
+     * 128-row ranking or instances requests, 45 one-row OIP binary requests (64 one-row JSON ones fit).
      */
     static final long DEFAULT_BYTES = 128 * 1024;
+    /** An instances row's bytes per the same row's bytes as columns, in percent (~260 of ~640). */
+    static final int INSTANCES_SHARE_PERCENT = 40;
+
+    private static final byte[] INSTANCES = "\"instances\"".getBytes(StandardCharsets.US_ASCII);
 
     private static final Logger LOG = LoggerFactory.getLogger(BatchBudget.class);
     private static final Setting BUDGET = new Setting(BYTES_KEY, DEFAULT_BYTES, "bytes");
@@ -163,17 +169,49 @@ final class BatchBudget extends BatchAggregator {
         }
     }
 
-    /** The bytes of a request's inputs (its body, for REST; its tensors, for gRPC). */
+    /**
+     * What a request counts against the budget: the bytes of its inputs (its body, for REST; its
+     * tensors, for gRPC), an {@code instances} body's at INSTANCES_SHARE of them. That form names
+     * every feature again in every row (~640 bytes a Criteo row against ~260 as columns, ranking or
+     * binary), so by bytes alone a 128-row instances request would fill the budget by itself and
+     * go alone, where the same rows in any other form merge two or three to a forward.
+     */
     static long size(Job job) {
         RequestInput in = job.getPayload();
         long n = 0;
         if (in != null && in.getParameters() != null) {
             for (InputParameter p : in.getParameters()) {
-                if (p.getValue() != null) {
-                    n += p.getValue().length;
+                byte[] v = p.getValue();
+                if (v != null) {
+                    n += isInstances(v) ? v.length * INSTANCES_SHARE_PERCENT / 100 : v.length;
                 }
             }
         }
         return n;
+    }
+
+    /** A JSON object whose first key is "instances" (whitespace allowed around the brace). */
+    static boolean isInstances(byte[] body) {
+        int i = skipSpace(body, 0);
+        if (i >= body.length || body[i] != '{') {
+            return false;
+        }
+        i = skipSpace(body, i + 1);
+        if (body.length - i < INSTANCES.length) {
+            return false;
+        }
+        for (int k = 0; k < INSTANCES.length; k++) {
+            if (body[i + k] != INSTANCES[k]) {
+                return false;
+            }
+        }
+        return true;
+    }
+
+    private static int skipSpace(byte[] b, int i) {
+        while (i < b.length && (b[i] == ' ' || b[i] == '\n' || b[i] == '\r' || b[i] == '\t')) {
+            i++;
+        }
+        return i;
     }
 }
