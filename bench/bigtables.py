@@ -7,6 +7,7 @@ beside the capped DLRMv2.
     python bench/bigtables.py serve --dists 0.9 1.05 1.2 uniform --compare-capped
     python bench/bigtables.py squeeze                            # the same in docker run --memory 8g
     python bench/bigtables.py report --from-json results/DATE-bigtables/bigtables.json
+    python bench/bigtables.py profile --capped-dir /work/big/store/dlrmv2-capped   # where a query's time goes
 
 The packed model: scripts/build_big.py with --hot-counts (a counts file of bench/ids.py, seed 7):
 
@@ -44,6 +45,11 @@ A host that cannot raise the limit (runc: "setting rlimit ... operation not perm
 inside a container) records that variant as not started; ``--lock-args "--user 0:0 --cap-add
 IPC_LOCK"`` locks without the limit there.
 
+``profile``: in this process, through the served Worker (no HTTP, no queue), --queries queries a turn
+one after another, the packed model (after its fill) with and without the per-forward prefetch and
+the capped model (--capped-dir), in --turns turns with fresh ids: per query the parse and collate,
+the redirect, the prefetch, the forward (lookups and dense half), major faults and disk reads.
+
 Writes results/<date>-bigtables/ (squeeze: <date>-bigtables-squeeze/; --out DIR elsewhere): run.json,
 bigtables.json, bigtables.md and loadgen/ (LoadGen's summary of every run).
 """
@@ -68,6 +74,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 import yaml
 
 from bench import ids, mlperf
@@ -419,6 +426,151 @@ def cmd_serve(args, argv) -> int:
     return 0
 
 
+# --- profile: where a query's time goes, in this process ----------------------------------------
+
+PROFILE_TITLE = "Issue 44: where an MLPerf-sized query's time goes, packed full-size against capped (in process)"
+PHASES = ("parse_collate", "redirect", "prefetch", "forward", "total")
+
+
+class Timed:
+    """A worker's redirect and prefetch, timed into ``self.t`` (phase -> seconds of the last query)."""
+
+    def __init__(self, worker):
+        self.t: dict[str, float] = {}
+        if worker.hot is not None:
+            worker.hot.redirect = self._wrap("redirect", worker.hot.redirect)
+        if worker.prefetch is not None:
+            worker.prefetch = self._wrap("prefetch", worker.prefetch)
+        self.wrapped = worker.prefetch
+
+    def _wrap(self, phase: str, fn):
+        def timed(*a):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a)
+            finally:
+                self.t[phase] = self.t.get(phase, 0.0) + time.perf_counter() - t0
+
+        return timed
+
+
+def profile_turn(worker, timed: Timed, pool: Queries, n: int, warmup: int, weights: Path) -> dict:
+    """``warmup`` then ``n`` queries one after another through ``worker``; per phase mean / p50 / p99 ms."""
+    import resource
+
+    from dlrmkit.protocols import open_request
+
+    got: dict[str, list[float]] = {p: [] for p in PHASES}
+    pairs, faults, sectors = 0, 0, 0
+    for k in range(warmup + n):
+        q = pool[k]
+        timed.t = {}
+        f0, s0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt, disk_sectors(weights)
+        t0 = time.perf_counter()
+        data = worker.group([open_request(q.body, False, None, worker.parser, worker.model_id, "application/json")])
+        t1 = time.perf_counter()
+        with torch.inference_mode():
+            worker.infer(data)
+        t2 = time.perf_counter()
+        if data.errors:
+            raise RuntimeError(f"query {k}: {data.errors}")
+        if k < warmup:
+            continue
+        pairs += q.pairs
+        faults += resource.getrusage(resource.RUSAGE_SELF).ru_majflt - f0
+        sectors += disk_sectors(weights) - s0
+        for phase, seconds in (
+            ("parse_collate", t1 - t0 - timed.t.get("redirect", 0.0)),
+            ("redirect", timed.t.get("redirect", 0.0)),
+            ("prefetch", timed.t.get("prefetch", 0.0)),
+            ("forward", t2 - t1 - timed.t.get("prefetch", 0.0)),
+            ("total", t2 - t0),
+        ):
+            got[phase].append(seconds * 1000)
+    out = {"queries": n, "pairs_mean": round(pairs / n, 1), "majflt_per_query": round(faults / n, 1)}
+    out["disk_read_kb_per_query"] = round(sectors * 512 / 1024 / n, 1)
+    for phase, xs in got.items():
+        xs.sort()
+        out[phase] = {"mean": round(sum(xs) / n, 2), "p50": round(xs[n // 2], 2), "p99": round(xs[int(n * 0.99)], 2)}
+    return out
+
+
+def cmd_profile(args, argv) -> int:
+    """The packed model (after its fill is done) with and without the per-forward prefetch, and the
+    capped model, in turns (the order rotated, fresh ids each turn: seed + turn), queries one after
+    another in this process through the served Worker (no HTTP, no queueing)."""
+    import statistics
+
+    from dlrmkit.worker import Worker, read_model_dir
+
+    out = run_dir(__file__, "bigtables-profile", PROFILE_TITLE, args.out, argv)
+    started, workers = time.perf_counter(), cpu_rule(len(os.sched_getaffinity(0))).workers
+    loaded = {}
+    for name, d in (("packed", args.model_dir), ("capped", args.capped_dir)):
+        if d is None:
+            continue
+        w, d = Worker(), Path(d).resolve()
+        t0 = time.perf_counter()
+        w.load(d, *read_model_dir(d), workers=workers)
+        fill = w.fill.wait(args.start_timeout) if w.fill is not None else None
+        log(f"{name}: loaded in {time.perf_counter() - t0:.0f} s, hot rows {w.warmed}, fill done {fill}")
+        loaded[name] = (w, Timed(w), d / "dlrm.pt")
+    variants = [v for v in ("packed", "packed, no per-forward prefetch", "capped") if v.split(",")[0] in loaded]
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    for turn in range(args.turns):
+        for v in variants[turn % len(variants) :] + variants[: turn % len(variants)]:
+            w, timed, weights = loaded[v.split(",")[0]]
+            w.prefetch = None if "no per-forward" in v else timed.wrapped
+            pool = Queries(w.config, args.dists[0], args.seed + turn * 1000 + len(runs[v]), args.queries + 20)
+            r = profile_turn(w, timed, pool, args.queries, 20, weights)
+            runs[v].append(r)
+            log(f"turn {turn + 1} {v}: " + ", ".join(f"{p} {r[p]['mean']}/{r[p]['p99']}" for p in PHASES))
+    for w, _, _ in loaded.values():
+        w.close()
+    rows = []
+    for v, rs in runs.items():
+        row = {"variant": v, "turns": rs}
+        for p in PHASES:
+            row[p] = {k: round(statistics.median(r[p][k] for r in rs), 2) for k in ("mean", "p50", "p99")}
+        for k in ("pairs_mean", "majflt_per_query", "disk_read_kb_per_query"):
+            row[k] = round(statistics.median(r[k] for r in rs), 1)
+        rows.append(row)
+    report = {"title": PROFILE_TITLE, "memory_gib": memory_gib(), "machine": machine(), "dist": args.dists[0]}
+    report.update(queries=args.queries, turns=args.turns, seed=args.seed, rows=rows)
+    report["wall_s"] = round(time.perf_counter() - started)
+    lines = [
+        f"# {PROFILE_TITLE}",
+        "",
+        f"CPU: {report['machine']['cpu']}, ISA {report['machine']['isa']}; {report['memory_gib']} GiB of memory. "
+        f"In one process, through the served Worker ({workers} worker(s) by the CPU rule, as TorchServe would "
+        f"start), {args.queries} MLPerf-sized `columns` queries a turn one after another (after 20 unrecorded), "
+        f"ids {args.dists[0]} drawn afresh each turn; {args.turns} turns, the variants' order rotated; medians "
+        "over turns. The packed model after its fill ended (the page cache as served warm). parse_collate: "
+        "the body to a batch; redirect: hot ids to their copies; prefetch: the cold pages asked of the disk; "
+        "forward: the lookups (waiting for pages still on their way) and the dense half. Disk: every read of "
+        "the weights' device.",
+        "",
+    ]
+    header = ["variant", "pairs", *[f"{p} ms mean / p99" for p in PHASES], "major faults / query", "disk KiB / query"]
+    cells = [
+        [r["variant"], r["pairs_mean"], *[f"{r[p]['mean']} / {r[p]['p99']}" for p in PHASES]]
+        + [r["majflt_per_query"], r["disk_read_kb_per_query"]]
+        for r in rows
+    ]
+    lines += md_table(header, cells, right=True)
+    if "capped" in runs and "packed" in runs:
+        by = {r["variant"]: r for r in rows}
+        lines += [
+            "",
+            "packed / capped: total mean {:.2f}x, p99 {:.2f}x.".format(
+                by["packed"]["total"]["mean"] / by["capped"]["total"]["mean"],
+                by["packed"]["total"]["p99"] / by["capped"]["total"]["p99"],
+            ),
+        ]
+    write_report(out / "bigtables-profile", report, lines)
+    return 0
+
+
 # --- squeeze: the kit's image under a memory limit ------------------------------------------------
 
 
@@ -552,7 +704,7 @@ def cmd_squeeze(args, argv) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["serve", "squeeze", "report"])
+    ap.add_argument("command", choices=["serve", "squeeze", "report", "profile"])
     ap.add_argument(
         "--model-dir", default="/work/big/store/dlrmv2-int8", help="the packed model (default: %(default)s)"
     )
@@ -574,7 +726,9 @@ def main(argv: list[str] | None = None) -> int:
         "--compare-capped", action="store_true", help="serve: also the capped DLRMv2 (model-config.dlrmv2.yaml)"
     )
     ap.add_argument(
-        "--capped-dir", help="serve: the capped model directory, built before (default: built in a temp store)"
+        "--capped-dir",
+        help="serve: the capped model directory, built before (default: built in a temp store); profile: the "
+        "capped model to set beside the packed one (default: none)",
     )
     ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds to ready (default: %(default)s)")
     ap.add_argument("--memory", default="8g", help="squeeze: docker --memory (default: %(default)s)")
@@ -585,7 +739,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--image", default="ghcr.io/example/dlrm-torchserve:0.1.0-cpu", help="squeeze (default: %(default)s)"
     )
-    ap.add_argument("--out", help="output folder (default: results/<date>-bigtables[-squeeze]/)")
+    ap.add_argument("--queries", type=int, default=150, help="profile: queries a turn (default: %(default)s)")
+    ap.add_argument("--turns", type=int, default=2, help="profile: turns over the variants (default: %(default)s)")
+    ap.add_argument("--out", help="output folder (default: results/<date>-bigtables[-squeeze|-profile]/)")
     ap.add_argument("--from-json", help="report: write the .md again from this bigtables.json (to --out)")
     args = ap.parse_args(argv)
     try:
@@ -599,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
         write_report(Path(args.out or Path(args.from_json).parent) / "bigtables", report, markdown(report))
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # killed: the finally blocks stop the server
-    return (cmd_serve if args.command == "serve" else cmd_squeeze)(args, argv)
+    return {"serve": cmd_serve, "squeeze": cmd_squeeze, "profile": cmd_profile}[args.command](args, argv)
 
 
 if __name__ == "__main__":

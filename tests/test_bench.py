@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from conftest import ROOT, TINY, FakeContext, tiny_config, variant
 
@@ -739,3 +740,39 @@ def test_turns_runs_each_variant_at_each_rate_in_turns_against_real_torchservers
     md = (out / "turns.md").read_text()
     assert f"| 10 | b8 | {b8['valid']} / 2 | {by_turn['b8', 0]}, {by_turn['b8', 1]} |" in md
     assert "`b8` {'batchSize': 8, 'batchBytes': 4096} (columns)" in md
+
+
+def test_bigtables_profile_times_a_packed_and_a_plain_model_in_turns(tmp_path):
+    """bigtables.py profile on tiny models built as the full-size one is (scripts/build_big.py, one
+    packed from counts, one plain): every variant timed per phase; only the packed one redirects."""
+    from scripts import build_big
+
+    from dlrmkit import hot
+
+    rows = [300, 37, 513]
+    handler = {**TINY, "num_embeddings": rows, "max_instances_per_request": 1024, "max_ids_per_request": 4096}
+    rng = random.Random(3)
+    hot.write_counts(
+        tmp_path / "counts.pt",
+        hot.count({f: torch.tensor([rng.randrange(n) for _ in range(500)]) for f, n in zip(TINY["sparse_features"], rows)}),
+    )
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"handler": handler}))
+    packed, plain = tmp_path / "store" / "packed", tmp_path / "store" / "plain"
+    args = ["--config", str(cfg), "--dtype", "int8"]
+    build_big.main([*args, "--out", str(packed), "--hot-counts", str(tmp_path / "counts.pt"), "--hot-mib", "1"])
+    build_big.main([*args, "--out", str(plain)])
+
+    out = tmp_path / "profile"
+    argv = ["profile", "--model-dir", str(packed), "--capped-dir", str(plain), "--queries", "4", "--turns", "2"]
+    assert bigtables.main([*argv, "--out", str(out)]) == 0
+    report = json.loads((out / "bigtables-profile.json").read_text())
+    by = {r["variant"]: r for r in report["rows"]}
+    assert list(by) == ["packed", "packed, no per-forward prefetch", "capped"]
+    for v, r in by.items():
+        assert len(r["turns"]) == 2 and all(t["queries"] == 4 for t in r["turns"]), v
+        assert 100 <= r["pairs_mean"] <= 700, v  # MLPerf's query sizes
+        assert r["total"]["mean"] >= r["forward"]["mean"] > 0, v
+        assert (r["redirect"]["mean"] > 0) == v.startswith("packed"), v
+        assert r["prefetch"]["mean"] == 0, v  # tables this small are never prefetched
+    assert "packed / capped: total mean" in (out / "bigtables-profile.md").read_text()
