@@ -754,7 +754,9 @@ def test_bigtables_profile_times_a_packed_and_a_plain_model_in_turns(tmp_path):
     rng = random.Random(3)
     hot.write_counts(
         tmp_path / "counts.pt",
-        hot.count({f: torch.tensor([rng.randrange(n) for _ in range(500)]) for f, n in zip(TINY["sparse_features"], rows)}),
+        hot.count(
+            {f: torch.tensor([rng.randrange(n) for _ in range(500)]) for f, n in zip(TINY["sparse_features"], rows)}
+        ),
     )
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump({"handler": handler}))
