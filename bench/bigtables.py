@@ -497,7 +497,7 @@ def profile_turn(worker, timed: Timed, pool: Queries, n: int, warmup: int, weigh
 
 def cmd_profile(args, argv) -> int:
     """The packed model (after its fill is done) with and without the per-forward prefetch, and the
-    capped model, in turns (the order rotated, fresh ids each turn: seed + turn), queries one after
+    capped model, in turns (the order rotated, fresh ids for each variant in each turn), queries one after
     another in this process through the served Worker (no HTTP, no queueing)."""
     import statistics
 
@@ -521,7 +521,10 @@ def cmd_profile(args, argv) -> int:
         for v in variants[turn % len(variants) :] + variants[: turn % len(variants)]:
             w, timed, weights = loaded[v.split(",")[0]]
             w.prefetch = None if "no per-forward" in v else timed.wrapped
-            pool = Queries(w.config, args.dists[0], args.seed + turn * 1000 + len(runs[v]), args.queries + 20)
+            # ids of their own: a variant after another on the same ids would find its pages cached
+            pool = Queries(
+                w.config, args.dists[0], args.seed + 1000 * turn + 100 * variants.index(v), args.queries + 20
+            )
             r = profile_turn(w, timed, pool, args.queries, 20, weights)
             runs[v].append(r)
             log(f"turn {turn + 1} {v}: " + ", ".join(f"{p} {r[p]['mean']}/{r[p]['p99']}" for p in PHASES))
@@ -544,7 +547,7 @@ def cmd_profile(args, argv) -> int:
         f"CPU: {report['machine']['cpu']}, ISA {report['machine']['isa']}; {report['memory_gib']} GiB of memory. "
         f"In one process, through the served Worker ({workers} worker(s) by the CPU rule, as TorchServe would "
         f"start), {args.queries} MLPerf-sized `columns` queries a turn one after another (after 20 unrecorded), "
-        f"ids {args.dists[0]} drawn afresh each turn; {args.turns} turns, the variants' order rotated; medians "
+        f"ids {args.dists[0]} drawn afresh for each variant in each turn; {args.turns} turns, the variants' order rotated; medians "
         "over turns. The packed model after its fill ended (the page cache as served warm). parse_collate: "
         "the body to a batch; redirect: hot ids to their copies; prefetch: the cold pages asked of the disk; "
         "forward: the lookups (waiting for pages still on their way) and the dense half. Disk: every read of "
