@@ -437,6 +437,7 @@ class Timed:
 
     def __init__(self, worker):
         self.t: dict[str, float] = {}
+        self.original = worker.prefetch
         if worker.hot is not None:
             worker.hot.redirect = self._wrap("redirect", worker.hot.redirect)
         if worker.prefetch is not None:
@@ -528,7 +529,8 @@ def cmd_profile(args, argv) -> int:
             r = profile_turn(w, timed, pool, args.queries, 20, weights)
             runs[v].append(r)
             log(f"turn {turn + 1} {v}: " + ", ".join(f"{p} {r[p]['mean']}/{r[p]['p99']}" for p in PHASES))
-    for w, _, _ in loaded.values():
+    for w, timed, _ in loaded.values():
+        w.prefetch = timed.original
         w.close()
     rows = []
     for v, rs in runs.items():
