@@ -64,8 +64,10 @@ import os
 import random
 import re
 import shutil
+import resource
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,9 +80,11 @@ import torch
 import yaml
 
 from bench import ids, mlperf
-from bench.common import ROOT, log, machine, md_table, run_dir, write_report
+from bench.common import ROOT, log, machine, md_table, percentile, run_dir, write_report
 from dlrmkit.config import DLRMConfig
 from dlrmkit.cpus import cpu_rule
+from dlrmkit.protocols import open_request
+from dlrmkit.worker import Worker, read_model_dir
 from scripts.tsctl import Server, free_port, get, post
 
 TITLE = "Issue 44: tables larger than memory, hot rows packed, under LoadGen (packed / unpacked / capped)"
@@ -457,10 +461,6 @@ class Timed:
 
 def profile_turn(worker, timed: Timed, pool: Queries, n: int, warmup: int, weights: Path) -> dict:
     """``warmup`` then ``n`` queries one after another through ``worker``; per phase mean / p50 / p99 ms."""
-    import resource
-
-    from dlrmkit.protocols import open_request
-
     got: dict[str, list[float]] = {p: [] for p in PHASES}
     pairs, faults, sectors = 0, 0, 0
     for k in range(warmup + n):
@@ -491,8 +491,8 @@ def profile_turn(worker, timed: Timed, pool: Queries, n: int, warmup: int, weigh
     out = {"queries": n, "pairs_mean": round(pairs / n, 1), "majflt_per_query": round(faults / n, 1)}
     out["disk_read_kb_per_query"] = round(sectors * 512 / 1024 / n, 1)
     for phase, xs in got.items():
-        xs.sort()
-        out[phase] = {"mean": round(sum(xs) / n, 2), "p50": round(xs[n // 2], 2), "p99": round(xs[int(n * 0.99)], 2)}
+        out[phase] = {"mean": round(statistics.mean(xs), 2), "p50": round(percentile(xs, 50), 2)}
+        out[phase]["p99"] = round(percentile(xs, 99), 2)
     return out
 
 
@@ -500,10 +500,6 @@ def cmd_profile(args, argv) -> int:
     """The packed model (after its fill is done) with and without the per-forward prefetch, and the
     capped model, in turns (the order rotated, fresh ids for each variant in each turn), queries one after
     another in this process through the served Worker (no HTTP, no queueing)."""
-    import statistics
-
-    from dlrmkit.worker import Worker, read_model_dir
-
     out = run_dir(__file__, "bigtables-profile", PROFILE_TITLE, args.out, argv)
     started, workers = time.perf_counter(), cpu_rule(len(os.sched_getaffinity(0))).workers
     loaded = {}

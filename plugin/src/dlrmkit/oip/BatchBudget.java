@@ -47,7 +47,7 @@ final class BatchBudget extends BatchAggregator {
      * 128-row ranking or instances requests, 45 one-row OIP binary requests (64 one-row JSON ones fit).
      */
     static final long DEFAULT_BYTES = 128 * 1024;
-    /** An instances row's bytes per the same row's bytes as columns, in percent (~260 of ~640). */
+    /** A row's bytes in the other forms per its bytes as instances JSON, in percent (~260 of ~640). */
     static final int INSTANCES_SHARE_PERCENT = 40;
 
     private static final byte[] INSTANCES = "\"instances\"".getBytes(StandardCharsets.US_ASCII);
@@ -171,10 +171,10 @@ final class BatchBudget extends BatchAggregator {
 
     /**
      * What a request counts against the budget: the bytes of its inputs (its body, for REST; its
-     * tensors, for gRPC), an {@code instances} body's at INSTANCES_SHARE of them. That form names
-     * every feature again in every row (~640 bytes a Criteo row against ~260 as columns, ranking or
-     * binary), so by bytes alone a 128-row instances request would fill the budget by itself and
-     * go alone, where the same rows in any other form merge two or three to a forward.
+     * tensors, for gRPC), an {@code instances} body's at INSTANCES_SHARE_PERCENT of them. That form
+     * names every feature again in every row (~640 bytes a Criteo row against ~260 as columns,
+     * ranking or binary), so by bytes alone a 128-row instances request would fill the budget by
+     * itself and go alone, where the same rows in any other form merge two or three to a forward.
      */
     static long size(Job job) {
         RequestInput in = job.getPayload();
