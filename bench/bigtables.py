@@ -8,6 +8,7 @@ beside the capped DLRMv2.
     python bench/bigtables.py squeeze                            # the same in docker run --memory 8g
     python bench/bigtables.py report --from-json results/DATE-bigtables/bigtables.json
     python bench/bigtables.py profile --capped-dir /work/big/store/dlrmv2-capped   # where a query's time goes
+    python bench/bigtables.py turns --capped-dir /work/big/store/dlrmv2-capped --form v2-binary --turns 4
 
 The packed model: scripts/build_big.py with --hot-counts (a counts file of bench/ids.py, seed 7):
 
@@ -38,6 +39,15 @@ major page faults per query, the disk's reads (MB/s), the page cache's share of 
 (fincore), the workers' RSS (anonymous / file). Ratios: packed / unpacked (p99, faults per query),
 packed / capped (p99).
 
+``turns``: the packed model (started cold, its background fill waited for) and the capped model
+(--capped-dir) served at once, each by its own TorchServe; each variant's first --cold-s seconds, then
+--turns turns of a --warm-s LoadGen run against each, the order rotated by one each turn: the
+packed / capped p99 per turn (LoadGen's) and over every query of the turns (at the client), the
+issue's bound on both, within one stretch of a host whose speed drifts.
+
+``--form``: the queries' body for serve and turns, `columns` JSON (default) or the Open Inference
+Protocol's binary tensors (v2-binary, what tritonclient sends, to /v2/models/NAME/infer).
+
 ``squeeze``: the packed model, the first distribution, in the kit's image (``make image``) under
 ``docker run --memory 8g``, with the default ulimits and with ``--ulimit memlock=-1`` (--lock-args; the
 hot rows can be locked): the same phases, the worker's "hot rows" line and the container's OOM kills.
@@ -50,14 +60,16 @@ one after another, the packed model (after its fill) with and without the per-fo
 the capped model (--capped-dir), in --turns turns with fresh ids: per query the parse and collate,
 the redirect, the prefetch, the forward (lookups and dense half), major faults and disk reads.
 
-Writes results/<date>-bigtables/ (squeeze: <date>-bigtables-squeeze/; --out DIR elsewhere): run.json,
-bigtables.json, bigtables.md and loadgen/ (LoadGen's summary of every run).
+Writes results/<date>-bigtables/ (squeeze: <date>-bigtables-squeeze/, turns: -bigtables-turns/, profile:
+-bigtables-profile/; --out DIR elsewhere): run.json, the command's .json and .md, and loadgen/
+(LoadGen's summary of every run).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import math
 import os
@@ -88,12 +100,16 @@ from dlrmkit.worker import Worker, read_model_dir
 from scripts.tsctl import Server, free_port, get, post
 
 TITLE = "Issue 44: tables larger than memory, hot rows packed, under LoadGen (packed / unpacked / capped)"
-PROBE = (ROOT / "sample_requests" / "dlrmv2.json").read_bytes()
 TARGET = 1.25  # the issue's bound: packed warm p99 within this of the capped model's
 HOT_LINE = re.compile(
     r"hot rows: (?P<rows>\d+) rows(?: \((?P<mib>[\d.]+) MiB\) of (?P<tables>\d+) tables, read in "
     r"(?P<seconds>[\d.]+) s, (?:locked in memory|not locked: (?P<why>.*))|, (?P<note>.*))$"
 )
+
+
+def probe(cfg) -> bytes:
+    """A one-pair `columns` query of ``cfg``'s shape: what must score before a server counts as ready."""
+    return mlperf.make_query(cfg, random.Random(0), 1, mlperf.mlperf_bags(cfg)).body
 
 
 def dist_name(text: str) -> str:
@@ -102,11 +118,12 @@ def dist_name(text: str) -> str:
 
 
 class Queries:
-    """MLPerf-shaped `columns` queries, each sent once: every LoadGen index hands out the next one,
-    drawn before the run (drawing is not timed); one drawn on the spot past those counts as late."""
+    """MLPerf-shaped queries of ``form`` (mlperf.FORMS: `columns` JSON or the Open Inference
+    Protocol's binary tensors), each sent once: every LoadGen index hands out the next one, drawn
+    before the run (drawing is not timed); one drawn on the spot past those counts as late."""
 
-    def __init__(self, cfg, dist: str, seed: int, ahead: int):
-        self.cfg, self.bags = cfg, mlperf.mlperf_bags(cfg)
+    def __init__(self, cfg, dist: str, seed: int, ahead: int, form: str = "columns"):
+        self.cfg, self.bags, self.form = cfg, mlperf.mlperf_bags(cfg), form
         self.zipf = None if dist == "uniform" else float(dist.split()[1])
         self.rng, self.prng = np.random.default_rng(seed), random.Random(seed)
         self.lock, self.late = threading.Lock(), 0
@@ -125,12 +142,12 @@ class Queries:
     def draw(self) -> mlperf.Query:
         rows, cfg = mlperf.query_pairs(self.prng), self.cfg
         dense = np.round(self.rng.uniform(0, 5, (rows, cfg.num_dense_features)), 3).tolist()
-        sparse = {}
+        cols = {}
         for f, (name, n) in enumerate(zip(cfg.sparse_features, cfg.num_embeddings)):
             k = self.bags[f] if self.bags else 1
-            sparse[name] = {"values": ids.sample_ids(self.rng, n, rows * k, self.zipf).tolist(), "lengths": [k] * rows}
-        body = json.dumps({"columns": {"dense": dense, "sparse": sparse}}).encode()
-        return mlperf.Query(rows, body, {"Content-Type": "application/json"})
+            cols[name] = (k, ids.sample_ids(self.rng, n, rows * k, self.zipf).tolist())
+        body, headers = mlperf.encode(dense, cols, 0, rows, True, self.form)
+        return mlperf.Query(rows, body, headers)
 
 
 # --- the model directories and the machine's counters ---------------------------------------------
@@ -241,56 +258,71 @@ def hot_rows(text: str) -> dict | None:
 # --- one variant: start, cold, warm ---------------------------------------------------------------
 
 
+def measured(url: str, args, pids, weights: Path, tag: str, loadgen: Path, pool: Queries, seconds: float) -> dict:
+    """One LoadGen run of ``seconds`` at --qps with the counters around it (and every query's ms)."""
+    before, sectors, late = proc_counters(pids()), disk_sectors(weights), pool.late
+    n = math.ceil(args.qps * seconds)
+    r = mlperf.run(url, pool, args.qps, seconds, n, 2 * seconds + 30, loadgen / f"{tag}.txt", latencies=True)
+    after, q = proc_counters(pids()), max(1, r["queries"])
+    r.update(
+        majflt_per_query=round((after["majflt"] - before["majflt"]) / q, 1),
+        disk_read_mb_s=round((disk_sectors(weights) - sectors) * 512 / 1e6 / r["seconds"], 2),
+        page_cache_share=resident_share(weights),
+        rss_anon_mib=round(after["rss_anon"] / 2**20),
+        rss_file_mib=round(after["rss_file"] / 2**20),
+        drawn_late=pool.late - late,
+    )
+    log(
+        f"{tag}: {'VALID' if r['valid'] else 'INVALID'}, p50/p99/max {r.get('p50_ms')}/{r.get('p99_ms')}/"
+        f"{r.get('max_ms')} ms, {r['queries']} queries, {r['majflt_per_query']} major faults/query, "
+        f"{r['disk_read_mb_s']} MB/s read, page cache {r['page_cache_share']}, {r['errors']} errors"
+    )
+    return r
+
+
 def phases(url: str, args, pids, weights: Path, tag: str, loadgen: Path, pool: Queries) -> dict:
     """The cold and the warm LoadGen runs, each with the counters around it."""
     out = {}
     for phase, seconds in (("cold", args.cold_s), ("warm", args.warm_s)):
-        before, sectors, late = proc_counters(pids()), disk_sectors(weights), pool.late
-        n = math.ceil(args.qps * seconds)
-        r = mlperf.run(url, pool, args.qps, seconds, n, 2 * seconds + 30, loadgen / f"{tag}-{phase}.txt")
-        after, q = proc_counters(pids()), max(1, r["queries"])
-        r.update(
-            majflt_per_query=round((after["majflt"] - before["majflt"]) / q, 1),
-            disk_read_mb_s=round((disk_sectors(weights) - sectors) * 512 / 1e6 / r["seconds"], 2),
-            page_cache_share=resident_share(weights),
-            rss_anon_mib=round(after["rss_anon"] / 2**20),
-            rss_file_mib=round(after["rss_file"] / 2**20),
-            drawn_late=pool.late - late,
-        )
-        out[phase] = r
-        log(
-            f"{tag} {phase}: {'VALID' if r['valid'] else 'INVALID'}, p50/p99/max {r.get('p50_ms')}/{r.get('p99_ms')}/"
-            f"{r.get('max_ms')} ms, {r['queries']} queries, {r['majflt_per_query']} major faults/query, "
-            f"{r['disk_read_mb_s']} MB/s read, page cache {r['page_cache_share']}, {r['errors']} errors"
-        )
+        out[phase] = measured(url, args, pids, weights, f"{tag}-{phase}", loadgen, pool, seconds)
+        del out[phase]["latencies_ms"]
     return out
 
 
-def serve_variant(variant: str, model_dir: Path, dist: str, args, loadgen: Path) -> dict:
-    """One variant on a TorchServe of its own, started cold."""
-    cfg = DLRMConfig.from_yaml(model_dir / "model-config.yaml")
+@contextlib.contextmanager
+def started(variant: str, model_dir: Path, dist: str, args, drop: bool = True):
+    """``model_dir`` on a TorchServe of its own started after the page cache was dropped (``drop``),
+    until every worker is ready; yields (the server, the variant's row so far: startup, hot rows,
+    page cache)."""
     model, weights = model_dir.name, model_dir / "dlrm.pt"
-    pool = Queries(cfg, dist, args.seed, math.ceil(1.25 * args.qps * (args.cold_s + args.warm_s)) + 10)
     row = {"variant": variant, "dist": dist, "model_dir": str(model_dir), "weights_gib": weights.stat().st_size / 2**30}
-    row["cache_drop"] = drop_cache(weights)
+    row["cache_drop"] = drop_cache(weights) if drop else "not dropped (another model served beside it)"
     row["page_cache_share_before"] = resident_share(weights)
     home = Path(tempfile.mkdtemp(prefix="bigtables-"))
     srv = Server.on_free_ports(home, model_store=model_dir.parent, overrides={"load_models": f"{model}={model}"})
     t0 = time.perf_counter()
     try:
         srv.start()
-        srv.wait_ready(model, PROBE, timeout=args.start_timeout)
+        srv.wait_ready(model, probe(DLRMConfig.from_yaml(model_dir / "model-config.yaml")), timeout=args.start_timeout)
         pids = srv.wait_workers_ready(model, len(srv.worker_pids(model)), timeout=args.start_timeout)
         row.update(startup_s=round(time.perf_counter() - t0, 1), workers=len(pids))
         row["hot"] = hot_rows((srv.log_dir / "model_log.log").read_text(errors="replace"))
         row["page_cache_share_at_ready"] = resident_share(weights)
         log(f"{variant} {dist}: {len(pids)} workers ready in {row['startup_s']} s; hot rows {row['hot']}")
-        tag = f"{variant}-{dist.replace(' ', '')}"
-        url = f"{srv.url}/predictions/{model}"
-        row.update(phases(url, args, lambda: srv.worker_pids(model), weights, tag, loadgen, pool))
+        yield srv, row
     finally:
         srv.stop()
         shutil.rmtree(home, ignore_errors=True)
+
+
+def serve_variant(variant: str, model_dir: Path, dist: str, args, loadgen: Path) -> dict:
+    """One variant on a TorchServe of its own, started cold: its cold and warm runs."""
+    cfg, model = DLRMConfig.from_yaml(model_dir / "model-config.yaml"), model_dir.name
+    form = args.form[0]
+    pool = Queries(cfg, dist, args.seed, math.ceil(1.25 * args.qps * (args.cold_s + args.warm_s)) + 10, form)
+    with started(variant, model_dir, dist, args) as (srv, row):
+        tag, url = f"{variant}-{dist.replace(' ', '')}", srv.url + mlperf.path(form, model)
+        row.update(phases(url, args, lambda: srv.worker_pids(model), model_dir / "dlrm.pt", tag, loadgen, pool))
     return row
 
 
@@ -342,7 +374,7 @@ def markdown(report: dict) -> list[str]:
         f"load average {m['load_average'][0]} at the end (a shared machine runs other work).",
         "",
         f"LoadGen Server at {s['qps']} q/s, queries of MLPerf's {mlperf.PAIRS[0]}-{mlperf.PAIRS[1]} pairs with its bag "
-        f"sizes (`columns` form), ids of bench/ids.py drawn afresh per query (seed {s['seed']}); cold: the first "
+        f"sizes (`{s.get('form', ['columns'])[0]}` form), ids of bench/ids.py drawn afresh per query (seed {s['seed']}); cold: the first "
         f"{s['cold_s']:g} s right after every worker is ready, warm: the next {s['warm_s']:g} s (each its own LoadGen "
         "run, min_query_count = q/s x seconds: a short run is INVALID by early stopping alone, its percentiles stand). "
         "Each variant on a TorchServe of its own, started after the page cache was dropped. Faults, RSS: the workers' "
@@ -397,7 +429,7 @@ def finish(out: Path, report: dict, started: float) -> None:
 
 
 def settings(args) -> dict:
-    return {k: getattr(args, k) for k in ("qps", "cold_s", "warm_s", "seed", "dists")}
+    return {k: getattr(args, k) for k in ("qps", "cold_s", "warm_s", "seed", "dists", "form")}
 
 
 def memory_gib() -> float:
@@ -428,6 +460,150 @@ def cmd_serve(args, argv) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+# --- turns: packed and capped served at once, LoadGen against each in turns ---------------------
+
+TURNS_TITLE = "Issue 44: packed full-size against capped, served at once, in turns under LoadGen"
+
+
+def cmd_turns(args, argv) -> int:
+    """The packed model (started cold, after the page cache was dropped) and the capped model, each
+    on its own TorchServe at once; each model's first --cold-s seconds (unrecorded in the ratios),
+    then --turns turns of a --warm-s run against each model in each --form, the order rotated: the
+    ratio within one stretch of the host, not two runs minutes apart."""
+    dirs = {"packed": args.model_dir, "capped": args.capped_dir}
+    for v, d in dirs.items():
+        if not d or not (Path(d) / "dlrm.pt").is_file():
+            print(f"turns: no {v} model directory at {d} (--model-dir, --capped-dir)", file=sys.stderr)
+            return 2
+    out, dist, forms = run_dir(__file__, "bigtables-turns", TURNS_TITLE, args.out, argv), args.dists[0], args.form
+    seconds = args.cold_s + args.turns * args.warm_s
+    started_at, ahead = time.perf_counter(), math.ceil(1.25 * args.qps * seconds) + 10
+    report = {"title": TURNS_TITLE, "memory_gib": memory_gib(), "settings": settings(args) | {"turns": args.turns}}
+    report.update(rows=[], runs=[])
+    with contextlib.ExitStack() as stack:
+        served = []  # per model and form: (model, form, url, pids, directory, queries)
+        for k, (v, d) in enumerate(dirs.items()):
+            d = Path(d).resolve()
+            srv, row = stack.enter_context(started(v, d, dist, args, drop=k == 0))
+            cfg = DLRMConfig.from_yaml(d / "model-config.yaml")
+            if v == "packed":  # warm: the page cache as a served model has it, filled
+                row["fill"] = wait_fill(srv.log_dir / "model_log.log", args.start_timeout)
+                log(f"packed: fill {row['fill']}")
+            report["rows"].append(row)
+            pids = lambda s=srv, m=d.name: s.worker_pids(m)  # noqa: E731
+            for j, form in enumerate(forms):  # ids of their own: none finds another's pages cached
+                pool = Queries(cfg, dist, args.seed + 100 * k + 10 * j, ahead, form)
+                served.append((v, form, srv.url + mlperf.path(form, d.name), pids, d, pool))
+        first = [x for x in served if x[1] == forms[0]]
+        for turn in range(-1, args.turns):  # -1: each model's first --cold-s seconds
+            at = turn % len(served)
+            for v, form, url, pids, d, pool in first[::-1] if turn < 0 else served[at:] + served[:at]:
+                name = v if len(forms) == 1 else f"{v}-{form}"
+                seconds, tag = (args.cold_s, f"{name}-first") if turn < 0 else (args.warm_s, f"{name}-turn{turn}")
+                r = measured(url, args, pids, d / "dlrm.pt", tag, out / "loadgen", pool, seconds)
+                report["runs"].append({"turn": turn, "variant": v, "form": form} | r)
+                finish_turns(out, report, started_at)  # kept after each run: a run cut short keeps what it measured
+    return 0
+
+
+FILL_LINE = re.compile(r"prefetch: .* read into the page cache in .*$", re.M)
+
+
+def wait_fill(log_file: Path, timeout: float) -> str | None:
+    """The workers' background fill of the page cache (hot.Fill) ended: its log line (the filler's:
+    the others log "another worker fills"), or None if no worker prefetches (no table large enough:
+    the log has no "asked for at once") or it outlasts ``timeout``. Called once the workers are ready."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = log_file.read_text(errors="replace") if log_file.exists() else ""
+        done = [m.group(0) for m in FILL_LINE.finditer(text) if "another worker fills" not in m.group(0)]
+        if done or "asked for at once" not in text or time.monotonic() > deadline:
+            return done[0] if done else None
+        time.sleep(2)
+
+
+def turns_summary(runs: list[dict], forms: list[str]) -> dict:
+    """Per form: per model its recorded turns' p99s and every query's ms pooled; packed / capped per
+    turn (LoadGen's p99s) and pooled, the issue's target on both."""
+    out = {}
+    for form in forms:
+        kept = [r for r in runs if r["turn"] >= 0 and r["form"] == form]
+        got: dict = {"variants": {}}
+        for v in ("packed", "capped"):
+            mine = [r for r in kept if r["variant"] == v]
+            ms = sorted(x for r in mine for x in r.get("latencies_ms", []))
+            got["variants"][v] = {
+                "turns": len(mine),
+                "p99_ms": [r.get("p99_ms") for r in mine],
+                "queries": len(ms),
+                "pooled_p50_ms": round(percentile(ms, 50), 1) if ms else None,
+                "pooled_p99_ms": round(percentile(ms, 99), 1) if ms else None,
+                "majflt_per_query": [r["majflt_per_query"] for r in mine],
+                "disk_read_mb_s": [r["disk_read_mb_s"] for r in mine],
+            }
+        p99 = {(r["variant"], r["turn"]): r.get("p99_ms") for r in kept}
+        per_turn = [ratio(p99[("packed", t)], p99.get(("capped", t))) for v, t in p99 if v == "packed"]
+        per_turn = got["p99_ratio_per_turn"] = [x for x in per_turn if x is not None]
+        got["p99_ratio_median"] = round(statistics.median(per_turn), 2) if per_turn else None
+        pv = got["variants"]
+        got["p99_ratio_pooled"] = ratio(pv["packed"]["pooled_p99_ms"], pv["capped"]["pooled_p99_ms"])
+        both = (got["p99_ratio_median"], got["p99_ratio_pooled"])
+        got["target_met"] = None if None in both else max(both) <= TARGET
+        out[form] = got
+    return out
+
+
+def finish_turns(out: Path, report: dict, started_at: float) -> None:
+    report.update(machine=machine(), summary=turns_summary(report["runs"], report["settings"]["form"]))
+    report["wall_s"] = round(time.perf_counter() - started_at)
+    slim = report | {"runs": [{k: x for k, x in r.items() if k != "latencies_ms"} for r in report["runs"]]}
+    write_report(out / "bigtables-turns", slim, turns_markdown(report))
+
+
+def turns_markdown(report: dict) -> list[str]:
+    m, s = report["machine"], report["settings"]
+    lines = [
+        f"# {report['title']}",
+        "",
+        f"CPU: {m['cpu']}, {m['available_cpus']} CPUs, ISA {m['isa']}; {report['memory_gib']} GiB of memory; load "
+        f"average {m['load_average'][0]} at the end. Both models served at once, each by its own TorchServe (the "
+        "packed one started after the page cache was dropped, its background fill waited for); LoadGen Server at "
+        f"{s['qps']:g} q/s, MLPerf's {mlperf.PAIRS[0]}-{mlperf.PAIRS[1]}-pair queries with its bag sizes "
+        f"({', '.join(f'`{f}`' for f in s['form'])}), ids {s['dists'][0]} drawn afresh per query, each model and form "
+        f"its own seed: each model's first {s['cold_s']:g} s (not in the ratios), then {s['turns']} turns of a "
+        f"{s['warm_s']:g} s run against each model in each form, the order rotated by one each turn. pooled: every "
+        "query of a variant's turns, at the client. LoadGen's summaries: loadgen/.",
+        "",
+    ]
+    cells = [
+        [r["variant"], Path(r["model_dir"]).name, f"{r['weights_gib']:.2f}", r.get("startup_s"), hot_text(r)]
+        + [r.get("fill") or "none"]
+        for r in report["rows"]
+    ]
+    header = ["variant", "model", "weights GiB", "ready s", "hot rows (worker log)", "fill (worker log)"]
+    lines += md_table(header, cells, align="lllrll")
+    cells = []
+    for r in report["runs"]:
+        verdict = "VALID" if r["valid"] else "INVALID"
+        cells.append(["first" if r["turn"] < 0 else r["turn"] + 1, r["variant"], r["form"], verdict, r["queries"]])
+        cells[-1] += [f"{r.get('p50_ms')} / {r.get('p99_ms')} / {r.get('max_ms')}", r["errors"], r["majflt_per_query"]]
+        cells[-1] += [r["disk_read_mb_s"], r["page_cache_share"]]
+    header = ["turn", "variant", "form", "LoadGen", "queries", "p50 / p99 / max ms", "errors", "major faults / query"]
+    lines += [""] + md_table(header + ["disk read MB/s", "page cache share"], cells, align="llllrrrrrr")
+    for form, sm in report["summary"].items():
+        pv = sm["variants"]
+        met = {True: "met", False: "missed", None: "undecided"}[sm["target_met"]]
+        lines += [
+            "",
+            f"**packed / capped p99, `{form}`:** per turn {', '.join(str(x) for x in sm['p99_ratio_per_turn'])} "
+            f"(median {sm['p99_ratio_median']}); pooled over {pv['packed']['queries']} and {pv['capped']['queries']} "
+            f"queries {pv['packed']['pooled_p99_ms']} / {pv['capped']['pooled_p99_ms']} ms = {sm['p99_ratio_pooled']} "
+            f"(p50 {pv['packed']['pooled_p50_ms']} / {pv['capped']['pooled_p50_ms']} ms). Target <= {TARGET} on both: "
+            f"{met}.",
+        ]
+    return lines
 
 
 # --- profile: where a query's time goes, in this process ----------------------------------------
@@ -623,7 +799,7 @@ def container_logs(name: str) -> str:
     return out.stdout + out.stderr
 
 
-def wait_container(name: str, port: int, mport: int, model: str, deadline: float) -> list:
+def wait_container(name: str, port: int, mport: int, model: str, cfg, deadline: float) -> list:
     """Until every worker of ``model`` is READY and the probe scores (docker's proxy accepts, then
     resets, connections while TorchServe is not up yet); the workers."""
     while time.perf_counter() < deadline:
@@ -633,7 +809,7 @@ def wait_container(name: str, port: int, mport: int, model: str, deadline: float
             status, body, _ = get(f"http://127.0.0.1:{mport}/models/{model}")
             workers = [w for m in json.loads(body) for w in m["workers"]] if status == 200 else []
             ready = workers and all(w["status"] == "READY" for w in workers)
-            if ready and post(f"http://127.0.0.1:{port}/predictions/{model}", PROBE, timeout=60)[0] == 200:
+            if ready and post(f"http://127.0.0.1:{port}/predictions/{model}", probe(cfg), timeout=60)[0] == 200:
                 return workers
         except (OSError, ValueError):
             pass
@@ -666,7 +842,7 @@ def container_variant(variant: str, extra: list[str], packed: Path, args, loadge
         if started.returncode:  # e.g. a limit this host may not give (runc: setting rlimit ... not permitted)
             log(f"{variant}: docker run failed: {started.stderr.strip()}")
             return row | {"error": f"docker run failed: {started.stderr.strip().splitlines()[0]}"}
-        workers = wait_container(name, port, mport, model, t0 + args.start_timeout)
+        workers = wait_container(name, port, mport, model, cfg, t0 + args.start_timeout)
         row.update(startup_s=round(time.perf_counter() - t0, 1), workers=len(workers))
         row["hot"] = hot_rows(container_logs(name))
         cg = cgroup_of(int(docker("inspect", "-f", "{{.State.Pid}}", name).stdout))
@@ -705,7 +881,7 @@ def cmd_squeeze(args, argv) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["serve", "squeeze", "report", "profile"])
+    ap.add_argument("command", choices=["serve", "turns", "squeeze", "report", "profile"])
     ap.add_argument(
         "--model-dir", default="/work/big/store/dlrmv2-int8", help="the packed model (default: %(default)s)"
     )
@@ -740,8 +916,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--image", default="ghcr.io/example/dlrm-torchserve:0.1.0-cpu", help="squeeze (default: %(default)s)"
     )
+    ap.add_argument("--form", nargs="+", default=["columns"], choices=mlperf.FORMS, help="the queries' body: `columns` "
+                    "JSON or the Open Inference Protocol's binary tensors; turns: one or more, each in turns; serve: "
+                    "one; squeeze, profile: columns (default: %(default)s)")  # fmt: skip
     ap.add_argument("--queries", type=int, default=150, help="profile: queries a turn (default: %(default)s)")
-    ap.add_argument("--turns", type=int, default=2, help="profile: turns over the variants (default: %(default)s)")
+    ap.add_argument(
+        "--turns", type=int, default=2, help="profile, turns: turns over the variants (default: %(default)s)"
+    )
     ap.add_argument("--out", help="output folder (default: results/<date>-bigtables[-squeeze|-profile]/)")
     ap.add_argument("--from-json", help="report: write the .md again from this bigtables.json (to --out)")
     args = ap.parse_args(argv)
@@ -755,8 +936,15 @@ def main(argv: list[str] | None = None) -> int:
         report = json.loads(Path(args.from_json).read_text())
         write_report(Path(args.out or Path(args.from_json).parent) / "bigtables", report, markdown(report))
         return 0
+    if args.command in ("squeeze", "profile") and args.form != ["columns"]:
+        ap.error(f"--form {' '.join(args.form)}: {args.command} sends `columns` queries only")
+    if args.command == "serve" and len(args.form) != 1:
+        ap.error(f"--form {' '.join(args.form)}: serve sends one form (turns serves several in turns)")
+    if len(set(args.form)) != len(args.form):
+        ap.error(f"--form {' '.join(args.form)}: each form once")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # killed: the finally blocks stop the server
-    return {"serve": cmd_serve, "squeeze": cmd_squeeze, "profile": cmd_profile}[args.command](args, argv)
+    commands = {"serve": cmd_serve, "turns": cmd_turns, "squeeze": cmd_squeeze, "profile": cmd_profile}
+    return commands[args.command](args, argv)
 
 
 if __name__ == "__main__":

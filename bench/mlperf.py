@@ -93,16 +93,16 @@ def make_query(
     for f, (name, n) in enumerate(zip(cfg.sparse_features, cfg.num_embeddings)):
         k = bags[f] if bags else 1
         ids[name] = (k, [rng.randrange(n) for _ in range(rows * k)])
-    body, headers = _encode(dense, ids, 0, rows, bags is not None, form)
+    body, headers = encode(dense, ids, 0, rows, bags is not None, form)
     parts = ()
     if split and rows > split:
         n = -(-rows // split)
         cuts = [rows * i // n for i in range(n + 1)]
-        parts = tuple(_encode(dense, ids, a, b, bags is not None, form) for a, b in zip(cuts, cuts[1:]))
+        parts = tuple(encode(dense, ids, a, b, bags is not None, form) for a, b in zip(cuts, cuts[1:]))
     return Query(rows, body, headers, parts)
 
 
-def _encode(dense: list, ids: dict, a: int, b: int, multi_hot: bool, form: str) -> tuple[bytes, dict[str, str]]:
+def encode(dense: list, ids: dict, a: int, b: int, multi_hot: bool, form: str) -> tuple[bytes, dict[str, str]]:
     """Rows ``a:b`` of a query as one request body of ``form`` and its headers."""
     sparse: dict[str, dict] = {}
     for name, (k, values) in ids.items():
@@ -235,12 +235,14 @@ def run(
     max_seconds: float | None = None,
     out: Path | None = None,
     procs=None,
+    latencies: bool = False,
 ) -> dict:
     """One LoadGen Server run at ``qps`` against ``url``: LoadGen's verdict and latencies
     (parse_summary), queries and pairs answered per second, failed answers, and the client's CPU
     (LoadGen and the senders) per query; with ``procs`` (a callable returning {group: pids},
     e.g. the frontend and the workers) each group's CPU per query too. With ``out`` LoadGen's
-    summary is kept in that file."""
+    summary is kept in that file. With ``latencies`` every query's ms at the client, sorted, too
+    (``latencies_ms``: runs pooled into one percentile)."""
     import mlperf_loadgen as lg
 
     sut = HttpSUT(url, pool)
@@ -283,6 +285,8 @@ def run(
     )
     if cpu0 and cpu1:  # a worker replaced meanwhile (its pid gone): no CPU figure for this run
         res.update({f"{k}_cpu_us_per_query": round((cpu1[k] - cpu0[k]) / q * 1e6) for k in groups})
+    if latencies:
+        res["latencies_ms"] = sorted(round((e - s) * 1000, 1) for s, e, _ in sut.times)
     res["ok"] = bool(res.get("valid")) and sut.errors == 0
     return res
 

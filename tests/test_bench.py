@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -431,6 +432,63 @@ def test_bigtables_queries_are_mlperf_shaped_each_drawn_once_and_parse():
     assert uniform.pairs == got[0].pairs and uniform.body != got[0].body
 
 
+def test_bigtables_binary_queries_hold_the_same_rows_as_columns():
+    from dlrmkit.config import DLRMConfig
+
+    cfg = DLRMConfig.from_yaml(ROOT / "model-config.dlrmv2.yaml")
+    cols = bigtables.Queries(cfg, "zipf 1.05", seed=5, ahead=1)[0]
+    binary = bigtables.Queries(cfg, "zipf 1.05", seed=5, ahead=1, form="v2-binary")[0]
+    assert binary.pairs == cols.pairs and binary.headers["Content-Type"] == "application/octet-stream"
+    n = int(binary.headers[mlperf.BINARY_HEADER])
+    header, at, got = json.loads(binary.body[:n]), n, {}
+    for x in header["inputs"]:
+        size = x["parameters"]["binary_data_size"]
+        dtype = {"FP32": "<f4", "INT32": "<i4"}[x["datatype"]]
+        got[x["name"]] = np.frombuffer(binary.body[at : at + size], dtype).reshape(x["shape"])
+        at += size
+    assert at == len(binary.body)
+    want = json.loads(cols.body)["columns"]
+    np.testing.assert_allclose(got["dense"], np.array(want["dense"], "<f4"))
+    for f in cfg.sparse_features:
+        assert got[f"{f}.values"].tolist() == want["sparse"][f]["values"]
+        assert got[f"{f}.lengths"].tolist() == want["sparse"][f]["lengths"]
+
+
+def bigtables_turn(variant: str, turn: int, p99: float, ms: list[float]) -> dict:
+    return bigtables_phase(p99, 1.0) | {"turn": turn, "variant": variant, "form": "v2-binary", "latencies_ms": ms}
+
+
+def test_bigtables_turns_ratio_per_turn_and_pooled_and_report():
+    runs = [
+        bigtables_turn("capped", -1, 500.0, [500.0]),  # the first run: not in the ratios
+        bigtables_turn("packed", -1, 900.0, [900.0]),
+        bigtables_turn("packed", 0, 60.0, [float(x) for x in range(1, 101)]),
+        bigtables_turn("capped", 0, 50.0, [float(x) for x in range(1, 101)]),
+        bigtables_turn("capped", 1, 40.0, [x / 2 for x in range(1, 101)]),
+        bigtables_turn("packed", 1, 60.0, [x * 1.0 for x in range(1, 101)]),
+    ]
+    other = bigtables_turn("packed", 0, 99.0, [99.0]) | {"form": "columns"}  # another form's: not in these
+    summary = bigtables.turns_summary([*runs, other], ["v2-binary", "columns"])
+    sm = summary["v2-binary"]
+    assert summary["columns"]["variants"]["packed"]["p99_ms"] == [99.0] and summary["columns"]["target_met"] is None
+    assert sm["p99_ratio_per_turn"] == [1.2, 1.5] and sm["p99_ratio_median"] == 1.35
+    packed, capped = sm["variants"]["packed"], sm["variants"]["capped"]
+    assert packed["queries"] == capped["queries"] == 200 and packed["p99_ms"] == [60.0, 60.0]
+    assert packed["pooled_p99_ms"] == round(bigtables.percentile(sorted(list(range(1, 101)) * 2), 99), 1)
+    assert sm["p99_ratio_pooled"] == round(packed["pooled_p99_ms"] / capped["pooled_p99_ms"], 2)
+    assert sm["target_met"] is False  # the median per turn is over 1.25
+    m = {"cpu": "Xeon", "available_cpus": 2, "isa": "avx512f", "load_average": [1.0, 1.0, 1.0]}
+    settings = {"qps": 1.0, "cold_s": 60.0, "warm_s": 120.0, "seed": 11, "dists": ["zipf 1.05"], "form": ["v2-binary"]}
+    settings["turns"] = 2
+    rows = [bigtables_row("packed", "zipf 1.05", (1.0, 1.0), (1.0, 1.0), None) | {"startup_s": 125.0}]
+    report = {"title": "t", "machine": m, "memory_gib": 23.6, "settings": settings, "rows": rows, "runs": runs}
+    md = bigtables.turns_markdown(report | {"summary": {"v2-binary": sm}})
+    assert "| first | packed | v2-binary | INVALID | 60 | 40.0 / 900.0 / 90.0 | 0 | 1.0 | 1.5 | 0.1 |" in md
+    assert "| 2 | capped | v2-binary | INVALID | 60 | 40.0 / 40.0 / 90.0 | 0 | 1.0 | 1.5 | 0.1 |" in md
+    assert any("`v2-binary`:** per turn 1.2, 1.5 (median 1.35)" in ln and "both: missed" in ln for ln in md)
+    assert any("with its bag sizes (`v2-binary`)" in line for line in md)
+
+
 def bigtables_phase(p99: float | None, faults: float, valid: bool = False) -> dict:
     r = {"valid": valid, "queries": 60, "p50_ms": 40.0, "p99_ms": p99, "max_ms": 90.0, "errors": 0}
     r.update(majflt_per_query=faults, disk_read_mb_s=1.5, page_cache_share=0.1, rss_anon_mib=600, rss_file_mib=300)
@@ -742,9 +800,9 @@ def test_turns_runs_each_variant_at_each_rate_in_turns_against_real_torchservers
     assert "`b8` {'batchSize': 8, 'batchBytes': 4096} (columns)" in md
 
 
-def test_bigtables_profile_times_a_packed_and_a_plain_model_in_turns(tmp_path):
-    """bigtables.py profile on tiny models built as the full-size one is (scripts/build_big.py, one
-    packed from counts, one plain): every variant timed per phase; only the packed one redirects."""
+def tiny_big_models(tmp_path: Path) -> tuple[Path, Path]:
+    """Two tiny model directories built as the full-size one is (scripts/build_big.py): one packed
+    from a counts file, one plain."""
     from scripts import build_big
 
     from dlrmkit import hot
@@ -764,6 +822,39 @@ def test_bigtables_profile_times_a_packed_and_a_plain_model_in_turns(tmp_path):
     args = ["--config", str(cfg), "--dtype", "int8"]
     build_big.main([*args, "--out", str(packed), "--hot-counts", str(tmp_path / "counts.pt"), "--hot-mib", "1"])
     build_big.main([*args, "--out", str(plain)])
+    return packed, plain
+
+
+@pytest.mark.integration
+def test_bigtables_turns_serves_both_models_at_once_in_turns_with_binary_queries(tmp_path):
+    """bigtables.py turns against two real TorchServes (tiny models built as the full-size one is),
+    OIP v2 binary bodies: every query answered, the turns rotated, LoadGen's p99 kept per run."""
+    packed, plain = tiny_big_models(tmp_path)
+    out = tmp_path / "turns"
+    argv = ["turns", "--model-dir", str(packed), "--capped-dir", str(plain), "--form", "v2-binary", "columns"]
+    argv += ["--qps", "10", "--cold-s", "1", "--warm-s", "2", "--turns", "2", "--start-timeout", "300"]
+    assert bigtables.main([*argv, "--out", str(out)]) == 0
+    report = json.loads((out / "bigtables-turns.json").read_text())
+    order = [(r["turn"], r["variant"], r["form"][0]) for r in report["runs"]]
+    assert order[:2] == [(-1, "capped", "v"), (-1, "packed", "v")]  # each model's first seconds, in the first form
+    served = [("packed", "v"), ("packed", "c"), ("capped", "v"), ("capped", "c")]
+    assert order[2:] == [(0, *x) for x in served] + [(1, *x) for x in served[1:] + served[:1]]  # rotated
+    for r in report["runs"]:
+        assert r["errors"] == 0 and r["queries"] >= 10 and r["p99_ms"] > 0 and "latencies_ms" not in r
+        tag = f"{r['variant']}-{r['form']}-" + ("first" if r["turn"] < 0 else f"turn{r['turn']}")
+        assert mlperf.parse_summary((out / "loadgen" / f"{tag}.txt").read_text())["p99_ms"] == r["p99_ms"]
+    packed_row, plain_row = report["rows"]
+    assert packed_row["hot"]["rows"] > 0 and plain_row["hot"] is None
+    assert packed_row["fill"] is None  # tables this small are never prefetched: no fill to wait for
+    for form, sm in report["summary"].items():
+        assert len(sm["p99_ratio_per_turn"]) == 2 and sm["variants"]["packed"]["queries"] >= 20, form
+        assert f"**packed / capped p99, `{form}`:**" in (out / "bigtables-turns.md").read_text()
+
+
+def test_bigtables_profile_times_a_packed_and_a_plain_model_in_turns(tmp_path):
+    """bigtables.py profile on tiny models built as the full-size one is (scripts/build_big.py, one
+    packed from counts, one plain): every variant timed per phase; only the packed one redirects."""
+    packed, plain = tiny_big_models(tmp_path)
 
     out = tmp_path / "profile"
     argv = ["profile", "--model-dir", str(packed), "--capped-dir", str(plain), "--queries", "4", "--turns", "2"]
