@@ -32,7 +32,7 @@ and the report says so):
 
 Each: TorchServe's time until every worker (the CPU rule's count) is ready, the workers' "hot rows"
 line, then LoadGen Server at --qps with MLPerf's queries (100-700 pairs, MLPerf's bag sizes, ids of
-bench/ids.py drawn afresh for every query, seeded --seed; the `columns` form): the first --cold-s
+bench/ids.py drawn afresh for every query, seeded --seed; --form, `columns` by default): the first --cold-s
 seconds right after ready (cold), then --warm-s seconds (warm), each a LoadGen run of at least
 that long and qps x seconds queries. Per phase: LoadGen's verdict, p50 / p99 / max, the workers'
 major page faults per query, the disk's reads (MB/s), the page cache's share of the weights file
