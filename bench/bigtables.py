@@ -365,13 +365,20 @@ def hot_text(r: dict) -> str:
     return f"{h['rows']:,} rows ({h['mib']} MiB), read in {h['seconds']} s, {locked}" + oom
 
 
-def markdown(report: dict) -> list[str]:
-    m, s = report["machine"], report["settings"]
-    lines = [
+def heading(report: dict, text: str) -> list[str]:
+    """A report's title and its machine line, ``text`` after the load average."""
+    m = report["machine"]
+    return [
         f"# {report['title']}",
         "",
         f"CPU: {m['cpu']}, {m['available_cpus']} CPUs, ISA {m['isa']}; {report['memory_gib']} GiB of memory; "
-        f"load average {m['load_average'][0]} at the end (a shared machine runs other work).",
+        f"load average {m['load_average'][0]} at the end{text}",
+    ]
+
+
+def markdown(report: dict) -> list[str]:
+    s = report["settings"]
+    lines = heading(report, " (a shared machine runs other work).") + [
         "",
         f"LoadGen Server at {s['qps']} q/s, queries of MLPerf's {mlperf.PAIRS[0]}-{mlperf.PAIRS[1]} pairs with its bag "
         f"sizes (`{s.get('form', ['columns'])[0]}` form), ids of bench/ids.py drawn afresh per query (seed {s['seed']}); cold: the first "
@@ -563,20 +570,18 @@ def finish_turns(out: Path, report: dict, started_at: float) -> None:
 
 
 def turns_markdown(report: dict) -> list[str]:
-    m, s = report["machine"], report["settings"]
-    lines = [
-        f"# {report['title']}",
-        "",
-        f"CPU: {m['cpu']}, {m['available_cpus']} CPUs, ISA {m['isa']}; {report['memory_gib']} GiB of memory; load "
-        f"average {m['load_average'][0]} at the end. Both models served at once, each by its own TorchServe (the "
+    s = report["settings"]
+    lines = heading(report, ".")
+    lines[-1] += (
+        " Both models served at once, each by its own TorchServe (the "
         "packed one started after the page cache was dropped, its background fill waited for); LoadGen Server at "
         f"{s['qps']:g} q/s, MLPerf's {mlperf.PAIRS[0]}-{mlperf.PAIRS[1]}-pair queries with its bag sizes "
         f"({', '.join(f'`{f}`' for f in s['form'])}), ids {s['dists'][0]} drawn afresh per query, each model and form "
         f"its own seed: each model's first {s['cold_s']:g} s (not in the ratios), then {s['turns']} turns of a "
         f"{s['warm_s']:g} s run against each model in each form, the order rotated by one each turn. pooled: every "
-        "query of a variant's turns, at the client. LoadGen's summaries: loadgen/.",
-        "",
-    ]
+        "query of a variant's turns, at the client. LoadGen's summaries: loadgen/."
+    )
+    lines.append("")
     cells = [
         [r["variant"], Path(r["model_dir"]).name, f"{r['weights_gib']:.2f}", r.get("startup_s"), hot_text(r)]
         + [r.get("fill") or "none"]
