@@ -127,8 +127,8 @@ integration: venv $(PLUGIN)  ## integration tests only (real TorchServe)
 
 # Every scenario writes a run's own folder, results/<date>-<scenario>/, with its run.json (bench/common.py
 # run_dir; --out DIR elsewhere). Benchmark, then MLPerf's Server scenario under LoadGen (LoadGen's
-# summaries in its loadgen/); see docs/performance.md. ~30 minutes.
-bench: venv $(PLUGIN)  ## the benchmark and the Server scenario under MLPerf LoadGen (results/<date>-benchmark/, -server-scenario/), ~30 minutes
+# summaries in its loadgen/); see docs/performance.md. ~45 minutes on 2 vCPUs (the Server scenario ~33).
+bench: venv $(PLUGIN)  ## the benchmark and the Server scenario under MLPerf LoadGen (results/<date>-benchmark/, -server-scenario/), ~45 minutes
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) bench/benchmark.py
 	$(PY) bench/server_scenario.py
