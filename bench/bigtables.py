@@ -107,11 +107,6 @@ HOT_LINE = re.compile(
 )
 
 
-def probe(cfg) -> bytes:
-    """A one-pair `columns` query of ``cfg``'s shape: what must score before a server counts as ready."""
-    return mlperf.make_query(cfg, random.Random(0), 1, mlperf.mlperf_bags(cfg)).body
-
-
 def dist_name(text: str) -> str:
     """``uniform`` or a Zipf exponent (``1.05`` -> ``zipf 1.05``)."""
     return "uniform" if text == "uniform" else f"zipf {float(text):g}"
@@ -290,8 +285,8 @@ def phases(url: str, args, pids, weights: Path, tag: str, loadgen: Path, pool: Q
 
 
 @contextlib.contextmanager
-def started(variant: str, model_dir: Path, dist: str, args, drop: bool = True):
-    """``model_dir`` on a TorchServe of its own started after the page cache was dropped (``drop``),
+def started(variant: str, model_dir: Path, cfg: DLRMConfig, dist: str, args, drop: bool = True):
+    """``model_dir`` (its config ``cfg``) on a TorchServe of its own started after the page cache was dropped (``drop``),
     until every worker is ready; yields (the server, the variant's row so far: startup, hot rows,
     page cache)."""
     model, weights = model_dir.name, model_dir / "dlrm.pt"
@@ -303,7 +298,7 @@ def started(variant: str, model_dir: Path, dist: str, args, drop: bool = True):
     t0 = time.perf_counter()
     try:
         srv.start()
-        srv.wait_ready(model, probe(DLRMConfig.from_yaml(model_dir / "model-config.yaml")), timeout=args.start_timeout)
+        srv.wait_ready(model, mlperf.probe(cfg), timeout=args.start_timeout)
         pids = srv.wait_workers_ready(model, len(srv.worker_pids(model)), timeout=args.start_timeout)
         row.update(startup_s=round(time.perf_counter() - t0, 1), workers=len(pids))
         row["hot"] = hot_rows((srv.log_dir / "model_log.log").read_text(errors="replace"))
@@ -320,7 +315,7 @@ def serve_variant(variant: str, model_dir: Path, dist: str, args, loadgen: Path)
     cfg, model = DLRMConfig.from_yaml(model_dir / "model-config.yaml"), model_dir.name
     form = args.form[0]
     pool = Queries(cfg, dist, args.seed, math.ceil(1.25 * args.qps * (args.cold_s + args.warm_s)) + 10, form)
-    with started(variant, model_dir, dist, args) as (srv, row):
+    with started(variant, model_dir, cfg, dist, args) as (srv, row):
         tag, url = f"{variant}-{dist.replace(' ', '')}", srv.url + mlperf.path(form, model)
         row.update(phases(url, args, lambda: srv.worker_pids(model), model_dir / "dlrm.pt", tag, loadgen, pool))
     return row
@@ -493,8 +488,8 @@ def cmd_turns(args, argv) -> int:
         served = []  # per model and form: (model, form, url, pids, directory, queries)
         for k, (v, d) in enumerate(dirs.items()):
             d = Path(d).resolve()
-            srv, row = stack.enter_context(started(v, d, dist, args, drop=k == 0))
             cfg = DLRMConfig.from_yaml(d / "model-config.yaml")
+            srv, row = stack.enter_context(started(v, d, cfg, dist, args, drop=k == 0))
             if v == "packed":  # warm: the page cache as a served model has it, filled
                 row["fill"] = wait_fill(srv.log_dir / "model_log.log", args.start_timeout)
                 log(f"packed: fill {row['fill']}")
@@ -807,6 +802,7 @@ def container_logs(name: str) -> str:
 def wait_container(name: str, port: int, mport: int, model: str, cfg, deadline: float) -> list:
     """Until every worker of ``model`` is READY and the probe scores (docker's proxy accepts, then
     resets, connections while TorchServe is not up yet); the workers."""
+    body = mlperf.probe(cfg)
     while time.perf_counter() < deadline:
         if docker("inspect", "-f", "{{.State.Running}}", name).stdout.strip() != "true":
             raise RuntimeError(f"{name} stopped during startup:\n{container_logs(name)[-3000:]}")
@@ -814,7 +810,7 @@ def wait_container(name: str, port: int, mport: int, model: str, cfg, deadline: 
             status, body, _ = get(f"http://127.0.0.1:{mport}/models/{model}")
             workers = [w for m in json.loads(body) for w in m["workers"]] if status == 200 else []
             ready = workers and all(w["status"] == "READY" for w in workers)
-            if ready and post(f"http://127.0.0.1:{port}/predictions/{model}", probe(cfg), timeout=60)[0] == 200:
+            if ready and post(f"http://127.0.0.1:{port}/predictions/{model}", body, timeout=60)[0] == 200:
                 return workers
         except (OSError, ValueError):
             pass

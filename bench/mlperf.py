@@ -102,6 +102,11 @@ def make_query(
     return Query(rows, body, headers, parts)
 
 
+def probe(cfg) -> bytes:
+    """A one-pair `columns` query of ``cfg``'s shape: what must score before a server counts as ready."""
+    return make_query(cfg, random.Random(0), 1, mlperf_bags(cfg)).body
+
+
 def encode(dense: list, ids: dict, a: int, b: int, multi_hot: bool, form: str) -> tuple[bytes, dict[str, str]]:
     """Rows ``a:b`` of a query as one request body of ``form`` and its headers."""
     sparse: dict[str, dict] = {}

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import random
 import re
 import signal
 import statistics
@@ -99,7 +98,7 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
         if stock_before:
             log(f"{tag}: stock torchrec fp32 forward at B={HOST_BATCH}: {stock_before['rows_per_s']:,} rows/s")
         start = args.start_qps or 0.3 * before["rows_per_s"] / mean_pairs
-        probe = mlperf.make_query(cfg, random.Random(0), 1, mlperf.mlperf_bags(cfg)).body
+        probe = mlperf.probe(cfg)
         with serving(tmp / f"home-{name}", tmp / "store", {name: probe}, env) as srv:
             url = srv.url + mlperf.path(form, name)
             procs = lambda: {"frontend": [frontend_pid(srv)], "workers": srv.worker_pids(name)}  # noqa: E731

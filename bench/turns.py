@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import random
 import signal
 import statistics
 import sys
@@ -48,7 +47,7 @@ def served(cfg_path: Path, variants: list[tuple[str, dict]], tmp: Path, args) ->
         name = variant.replace("-", "_").replace(".", "_")
         source, doc, env = build_archive(cfg_path, tmp / "store", name, items)
         cfg = DLRMConfig.from_yaml(source)
-        probe = mlperf.make_query(cfg, random.Random(0), 1, mlperf.mlperf_bags(cfg)).body
+        probe = mlperf.probe(cfg)
         pool = mlperf.query_pool(cfg, args.queries, form=form)  # the same queries for every variant
         out.append(
             {"variant": variant, "overlay": items, "form": form, "name": name, "env": env, "probe": probe, "pool": pool}
