@@ -243,9 +243,12 @@ class HotIndex:
         return [views[t][self.rows[t] :] for t in self.hot if t in views]
 
 
-def warm(regions: Sequence[torch.Tensor], lock: bool) -> dict:
-    """Read ``regions`` (views of mapped tables) into the page cache, page by page, and with
-    ``lock`` mlock them. Returns what it did: bytes, seconds, locked (bool) and why not."""
+def warm(regions: Sequence[torch.Tensor], lock: bool, advice_after: int = mmap.MADV_NORMAL) -> dict:
+    """Read ``regions`` (views of mapped tables) into the page cache, and with ``lock`` mlock them.
+    Each region is advised MADV_SEQUENTIAL while it is read (a fault reads ahead a window of pages,
+    not the one page a MADV_RANDOM mapping's fault reads: 12 GiB of hot rows took 392 s page by
+    page), then ``advice_after`` (the mapping's own: MADV_RANDOM for ``load_read_only``'s).
+    Returns what it did: bytes, seconds, locked (bool) and why not."""
     started = time.perf_counter()
     total = 0
     spans = []
@@ -257,9 +260,11 @@ def warm(regions: Sequence[torch.Tensor], lock: bool) -> dict:
         lo, hi = first - first % _PAGE, last + (-last) % _PAGE
         spans.append((lo, hi - lo))
         total += hi - lo
+        _madvise(lo, hi - lo, mmap.MADV_SEQUENTIAL)
         _madvise(lo, hi - lo, mmap.MADV_WILLNEED)
         flat = r.reshape(-1) if r.is_contiguous() else r.contiguous().view(-1)
         int(flat[:: max(1, _PAGE)].sum())  # one byte of every page: each is read now, not by a request
+        _madvise(lo, hi - lo, advice_after)
     result: dict = {"bytes": total, "regions": len(spans), "locked": False}
     if lock and spans:
         result.update(_mlock(spans, total))

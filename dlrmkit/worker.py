@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import mmap
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -203,12 +204,14 @@ class Worker:
                 self.fill = self._fill(weights, prefetch, index.cold if index is not None else None)
         if index is not None and c.hot_rows and local:
             views = {k[len(TABLES) : -len(".weight")]: v for k, v in fused_tables(qebc).items()}
-            self.hot, self.warmed = index, warm(index.regions(views), lock=mapped_read_only())
+            ro = mapped_read_only()  # tables larger than memory: mapped MADV_RANDOM (scale.load_read_only)
+            after = mmap.MADV_RANDOM if ro else mmap.MADV_NORMAL
+            self.hot, self.warmed = index, warm(index.regions(views), lock=ro, advice_after=after)
             if mapped_read_only():
                 # tables larger than memory: the tables too small to prefetch are read and locked whole
                 # (else cold pages evict them and every query faults a few of their pages back in)
                 small = small_tables(views, index.rows)
-                self.small = warm(small, lock=True)
+                self.small = warm(small, lock=True, advice_after=after)
                 logger.info(
                     "small tables: %d tables read whole (%.1f MiB) in %.2f s, %s",
                     len(small),

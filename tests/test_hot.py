@@ -5,6 +5,7 @@ counter."""
 from __future__ import annotations
 
 import mmap
+from pathlib import Path
 
 import pytest
 import torch
@@ -167,6 +168,26 @@ def test_warm_reads_the_hot_pages_and_locks_them_where_it_may(tmp_path):
     got = hot.warm([region], lock=True)
     # root (CI) may lock any amount; elsewhere RLIMIT_MEMLOCK decides, and the reason is said
     assert got["locked"] or "RLIMIT_MEMLOCK" in got["why_not_locked"]
+    # read with read-ahead (MADV_SEQUENTIAL), then given back the mapping's own advice: a
+    # MADV_RANDOM mapping's hot pages stay random for the lookups' faults ("rr" in smaps' VmFlags)
+    mapped.madvise(mmap.MADV_RANDOM)
+    hot.warm([region], lock=False, advice_after=mmap.MADV_RANDOM)
+    assert vm_flags(region.data_ptr()) & {"rr", "sr"} == {"rr"}
+    hot.warm([region], lock=False)
+    assert not vm_flags(region.data_ptr()) & {"rr", "sr"}
+
+
+def vm_flags(address: int) -> set[str]:
+    """The VmFlags /proc/self/smaps gives the mapping holding ``address``."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 def test_the_counter_writes_what_it_sampled(tmp_path):
