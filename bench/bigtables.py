@@ -10,7 +10,8 @@ beside the capped DLRMv2.
     python bench/bigtables.py profile --capped-dir /work/big/store/dlrmv2-capped   # where a query's time goes
     python bench/bigtables.py turns --capped-dir /work/big/store/dlrmv2-capped --form v2-binary --turns 4
 
-The packed model: scripts/build_big.py with --hot-counts (a counts file of bench/ids.py, seed 7):
+The packed model: scripts/build_big.py with --hot-counts (a counts file of bench/ids.py, seed 7; for a
+hot set of many GiB, ``--law``: the counts such a sample converges to):
 
     python bench/ids.py --config model-config.dlrmv2.yaml --full --zipf 1.05 --out /work/big/counts-zipf1.05.pt
     python scripts/build_big.py --config model-config.dlrmv2.yaml --full --dtype int8 \\

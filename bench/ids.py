@@ -41,6 +41,39 @@ def sample_ids(rng: np.random.Generator, n: int, k: int, zipf: float | None) -> 
     return (rank * _multiplier(n)) % n
 
 
+def rank_share(n: int, zipf: float, r: np.ndarray) -> np.ndarray:
+    """The share of a table's lookups that go to rank ``r`` (1-based) under ``sample_ids``' law.
+
+    >>> bool(abs(rank_share(1000, 1.05, np.arange(1, 1001)).sum() - 1) < 1e-9)
+    True
+    """
+    r = np.asarray(r, dtype=np.float64)
+    if abs(zipf - 1) < 1e-9:
+        return np.log((r + 1) / r) / np.log(n + 1.0)
+    e = 1 - zipf
+    return ((r + 1) ** e - r**e) / ((n + 1.0) ** e - 1)
+
+
+def law_counts(cfg: DLRMConfig, zipf: float, pairs: int, min_count: int, chunk: int = 1 << 24) -> hot.Counts:
+    """Each id's expected count in ``pairs`` pairs (rounded), for the ranks expected at least
+    ``min_count`` times: what ``counts`` converges to as its sample grows."""
+    bags = mlperf.mlperf_bags(cfg) or [1] * cfg.num_features
+    out: hot.Counts = {}
+    for name, n, bag in zip(cfg.sparse_features, cfg.num_embeddings, bags):
+        lo, hi = 0, n  # the most ranks expected at least min_count times (shares fall with the rank)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if pairs * bag * rank_share(n, zipf, np.array([mid]))[0] >= min_count else (lo, mid - 1)
+        ids, got = [], []
+        for a in range(1, lo + 1, chunk):
+            r = np.arange(a, min(lo, a + chunk - 1) + 1, dtype=np.int64)
+            got.append(torch.from_numpy(np.rint(pairs * bag * rank_share(n, zipf, r)).astype(np.int64)))
+            ids.append(torch.from_numpy(((r - 1) * _multiplier(n)) % n))
+        if ids:
+            out[name] = (torch.cat(ids), torch.cat(got))
+    return out
+
+
 def counts(cfg: DLRMConfig, zipf: float | None, pairs: int, seed: int, chunk: int = 1 << 24) -> hot.Counts:
     """The ids ``pairs`` user-item pairs look up (MLPerf's bag sizes; one id per feature without
     them), counted per table, drawn in chunks of ``chunk`` ids."""
@@ -65,20 +98,28 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--zipf", type=float, default=1.05, help="0 for uniform ids (default: %(default)s)")
     ap.add_argument("--pairs", type=int, default=1_000_000, help="user-item pairs sampled (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=7, help="not the seed of the queries measured (default: %(default)s)")
+    ap.add_argument("--law", action="store_true", help="the law's expected counts in --pairs pairs, not a sample")
+    ap.add_argument("--min-count", type=int, default=1, help="with --law: ranks expected fewer times are left out")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    if args.law and not args.zipf:
+        ap.error("--law needs --zipf above 0: uniform ids have no hot rows")
     cfg = DLRMConfig.from_yaml(args.config)
     if args.full:
         from scripts.sizing import full_rows
 
         cfg = cfg.with_changes(num_embeddings=full_rows(args.config, cfg))
     started = time.perf_counter()
-    got = counts(cfg, args.zipf or None, args.pairs, args.seed)
-    source = (
-        f"bench/ids.py: {args.pairs:,} pairs, "
-        + (f"Zipf s={args.zipf}" if args.zipf else "uniform")
-        + f", seed {args.seed}"
-    )
+    if args.law:
+        got = law_counts(cfg, args.zipf, args.pairs, args.min_count)
+        source = f"bench/ids.py: Zipf s={args.zipf}, expected counts in {args.pairs:,} pairs, at least {args.min_count}"
+    else:
+        got = counts(cfg, args.zipf or None, args.pairs, args.seed)
+        source = (
+            f"bench/ids.py: {args.pairs:,} pairs, "
+            + (f"Zipf s={args.zipf}" if args.zipf else "uniform")
+            + f", seed {args.seed}"
+        )
     hot.write_counts(args.out, got, source=source)
     print(
         f"{args.out}: {sum(len(i) for i, _ in got.values()):,} distinct ids of {sum(int(c.sum()) for _, c in got.values()):,} "

@@ -546,6 +546,27 @@ def test_bigtables_refuses_a_distribution_it_cannot_draw(capsys):
     assert "--dists: expected Zipf exponents (e.g. 1.05) or uniform" in capsys.readouterr().err
 
 
+def test_law_counts_are_what_a_growing_sample_of_ids_converges_to(tmp_path):
+    # bench/ids.py --law: each rank's expected count under sample_ids' law, at the id the rank is
+    # scattered to; a sample of 200,000 draws agrees on the ids and (within sampling noise) the counts
+    from bench import ids
+
+    n, s = 1000, 1.05
+    share = ids.rank_share(n, s, np.arange(1, n + 1))
+    assert abs(share.sum() - 1) < 1e-9 and np.all(np.diff(share) < 0)
+    drawn = np.bincount(ids.sample_ids(np.random.default_rng(3), n, 200_000, s), minlength=n)
+    cfg = tiny_config(sparse_features=["a", "b"], num_embeddings=[n, 7])
+    law = ids.law_counts(cfg, s, 200_000, min_count=30)
+    got_ids, got = law["a"]
+    assert got.min() >= 30 and len(got_ids) == len(set(got_ids.tolist())) < n  # the rarest ranks left out
+    assert got_ids[0] == 0 and got[0] == round(200_000 * share[0])  # rank 1 is id 0
+    sampled = drawn[got_ids.numpy()]
+    assert np.all(np.abs(sampled - got.numpy()) <= 5 * np.sqrt(got.numpy()) + 1)  # a Poisson count's 5 sigma
+    assert law["b"][1].sum() == pytest.approx(200_000, abs=4)  # 7 rows: every rank expected >= 30 times
+    with pytest.raises(SystemExit):  # uniform ids have no hot rows
+        ids.main(["--config", str(ROOT / "model-config.yaml"), "--zipf", "0", "--law", "--out", str(tmp_path / "x.pt")])
+
+
 @pytest.mark.integration
 def test_server_scenario_under_loadgen_against_a_real_torchserve(tmp_path):
     # named as the DLRMv2 config so that its target's anchor, stock torchrec's forward, is measured too
