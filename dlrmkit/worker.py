@@ -207,7 +207,7 @@ class Worker:
             ro = mapped_read_only()  # tables larger than memory: mapped MADV_RANDOM (scale.load_read_only)
             after = mmap.MADV_RANDOM if ro else mmap.MADV_NORMAL
             self.hot, self.warmed = index, warm(index.regions(views), lock=ro, advice_after=after)
-            if mapped_read_only():
+            if ro:
                 # tables larger than memory: the tables too small to prefetch are read and locked whole
                 # (else cold pages evict them and every query faults a few of their pages back in)
                 small = small_tables(views, index.rows)
