@@ -22,7 +22,7 @@ CALIBRATE ?=
 CALIBRATE_ARG = $(if $(CALIBRATE),--calibrate $(CALIBRATE))
 CKPT_FILES := $(if $(CHECKPOINT),$(or $(wildcard $(CHECKPOINT)/.metadata $(CHECKPOINT)/*),$(CHECKPOINT)))
 
-.PHONY: help venv plugin image image-base mar serve ready rollout rollback stop lint fuzz test unit integration bench knobs soak faults clean FORCE
+.PHONY: help venv plugin image image-base mar serve ready rollout rollback stop lint fuzz test unit integration test-gpu bench knobs soak faults clean FORCE
 
 # Creates .venv and installs the pinned stack; a no-op once done (see scripts/install.sh).
 venv:  ## create .venv with the pinned stack (a no-op once done)
@@ -116,14 +116,17 @@ FUZZ_MINUTES ?= 13
 fuzz: venv  ## fuzz the request parsers, FUZZ_MINUTES per target (results/fuzz.*), ~1 hour
 	nice -n 15 $(PY) scripts/fuzz.py campaign --minutes $(FUZZ_MINUTES)
 
-test: venv $(PLUGIN)  ## all tests: unit and real-TorchServe integration
+test: venv $(PLUGIN)  ## all tests but the GPU ones: unit and real-TorchServe integration
 	$(PY) -m pytest -q
 
 unit: venv  ## unit tests only (no TorchServe, no container)
-	$(PY) -m pytest -q -m "not integration and not container"
+	$(PY) -m pytest -q -m "not integration and not container and not gpu"
 
 integration: venv $(PLUGIN)  ## integration tests only (real TorchServe)
 	$(PY) -m pytest -q -m integration
+
+test-gpu: venv  ## the GPU tests only (tables on 1 and 2 CUDA devices); they fail without the devices
+	$(PY) -m pytest -q -m gpu
 
 # Every scenario writes a run's own folder, results/<date>-<scenario>/, with its run.json (bench/common.py
 # run_dir; --out DIR elsewhere). Benchmark, then MLPerf's Server scenario under LoadGen (LoadGen's

@@ -367,18 +367,19 @@ def test_ten_million_row_int8_table_is_served_without_its_fp32_copy(tmp_path):
     assert report["grew"] < fp32_table / 8
 
 
-# --- GPU (skipped without CUDA; run: .venv/bin/python -m pytest -q -m gpu) ------------------------
+# --- GPU (`make test` leaves these out; `make test-gpu` runs them and fails without the devices) ----
 
 
-def gpus(n: int):
+def gpus(n: int) -> None:
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return pytest.mark.skipif(have < n, reason=f"needs {n} CUDA device(s), found {have}")
+    if have < n:
+        pytest.fail(f"needs {n} CUDA device(s), found {have}: run make test-gpu on a machine that has them")
 
 
 @pytest.mark.gpu
-@gpus(1)
 @pytest.mark.parametrize("dtype", QUANTIZED)
 def test_quantized_model_on_one_gpu_matches_cpu(tmp_path, model, dtype):
+    gpus(1)
     path = archive(tmp_path, model, dtype)
     dense, kjt = batch()
     want = forward(DLRMFactory(tiny_config(embedding_dtype=dtype)).load(path), dense, kjt)
@@ -388,9 +389,9 @@ def test_quantized_model_on_one_gpu_matches_cpu(tmp_path, model, dtype):
 
 
 @pytest.mark.gpu
-@gpus(2)
 @pytest.mark.parametrize("dtype", ["int8", "fp16", "fp32"])
 def test_tables_sharded_over_two_gpus_match_cpu(tmp_path, model, dtype):
+    gpus(2)
     path = archive(tmp_path, model, dtype)
     cfg = tiny_config(embedding_dtype=dtype)
     dense, kjt = batch()
@@ -403,10 +404,10 @@ def test_tables_sharded_over_two_gpus_match_cpu(tmp_path, model, dtype):
 
 
 @pytest.mark.gpu
-@gpus(2)
 def test_handler_given_two_gpus_shards_and_still_checks_ids(tmp_path, model):
     from dlrm_handler import TorchRecDLRMHandler
 
+    gpus(2)
     archive(tmp_path, model, "int8").rename(tmp_path / "dlrm.pt")
     section = {**TINY, "embedding_dtype": "int8"}
     ctx = FakeContext(tmp_path, section, gpu_id=0)
