@@ -323,13 +323,19 @@ def worker_devices(
     return [torch.device(f"cuda:{int(gpu_id)}")]
 
 
-_MAPPINGS: list = []  # read-only mappings handed to torch: alive as long as the worker
+_MAPPINGS: list[tuple[mmap.mmap, int]] = []  # (read-only mapping handed to torch, its advice): as long as the worker
 
 
 def mapped_read_only() -> bool:
     """Whether this process mapped an archive read-only (``load_read_only``: tables larger than
     memory), so that its tables cannot be written in place."""
     return bool(_MAPPINGS)
+
+
+def mapped_advice() -> int:
+    """The madvise advice the tables' mapping carries (MADV_RANDOM for ``load_read_only``'s, else
+    the kernel's default): what code that advises a region otherwise for a while puts back."""
+    return _MAPPINGS[-1][1] if _MAPPINGS else mmap.MADV_NORMAL
 
 
 def file_mappings(path: str | os.PathLike, maps: str | os.PathLike = "/proc/self/maps") -> list[tuple[int, int, int]]:
@@ -358,9 +364,9 @@ def load_read_only(path: str | os.PathLike, random_access: bool = True) -> dict:
     """
     with open(path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    if random_access:
-        mapped.madvise(mmap.MADV_RANDOM)
-    _MAPPINGS.append(mapped)
+    advice = mmap.MADV_RANDOM if random_access else mmap.MADV_NORMAL
+    mapped.madvise(advice)
+    _MAPPINGS.append((mapped, advice))
     with warnings.catch_warnings():  # "The given buffer is not writable": that is the point
         warnings.simplefilter("ignore", UserWarning)
         storage = torch.frombuffer(mapped, dtype=torch.uint8).untyped_storage()

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import mmap
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -48,7 +47,7 @@ from dlrmkit.live.applier import Emit
 from dlrmkit.model import DLRMFactory
 from dlrmkit.protocols import Reply
 from dlrmkit.request import ParsedRequest
-from dlrmkit.scale import TABLES, file_mappings, fused_tables, mapped_read_only, worker_devices
+from dlrmkit.scale import TABLES, file_mappings, fused_tables, mapped_advice, mapped_read_only, worker_devices
 
 logger = logging.getLogger(__name__)
 
@@ -204,8 +203,7 @@ class Worker:
                 self.fill = self._fill(weights, prefetch, index.cold if index is not None else None)
         if index is not None and c.hot_rows and local:
             views = {k[len(TABLES) : -len(".weight")]: v for k, v in fused_tables(qebc).items()}
-            ro = mapped_read_only()  # tables larger than memory: mapped MADV_RANDOM (scale.load_read_only)
-            after = mmap.MADV_RANDOM if ro else mmap.MADV_NORMAL
+            ro, after = mapped_read_only(), mapped_advice()  # tables larger than memory: MADV_RANDOM
             self.hot, self.warmed = index, warm(index.regions(views), lock=ro, advice_after=after)
             if ro:
                 # tables larger than memory: the tables too small to prefetch are read and locked whole

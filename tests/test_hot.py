@@ -643,6 +643,7 @@ def test_a_worker_of_tables_larger_than_memory_locks_prefetches_and_fills(tmp_pa
     w.load(packed, *read_model_dir(packed))
     try:
         assert scale.mapped_read_only() and w.hot is not None and w.warmed is not None
+        assert scale.mapped_advice() == mmap.MADV_RANDOM  # what warm() put back on the hot regions
         assert w.warmed["locked"] or "RLIMIT_MEMLOCK" in w.warmed["why_not_locked"]
         assert w.prefetch is not None and list(w.prefetch.tables) == ["feature_0"]
         assert w.small is not None and w.small["bytes"] > 0  # feature_1 and feature_2 read whole
