@@ -38,9 +38,11 @@ logger = logging.getLogger(__name__)
 class DLRMFactory:
     """Builds the DLRM that a config describes.
 
-    >>> model = DLRMFactory(DLRMConfig.from_yaml("model-config.yaml")).random(seed=0)
+    >>> factory = DLRMFactory(DLRMConfig.from_yaml("model-config.yaml"))
+    >>> model = factory.random(seed=0).eval()
+    >>> dense, kjt = factory.probe_batch(4, torch.Generator().manual_seed(0))  # B = 4 rows
     >>> model(dense, kjt).shape  # raw logits, one per row
-    torch.Size([B, 1])
+    torch.Size([4, 1])
     """
 
     def __init__(self, config: DLRMConfig):

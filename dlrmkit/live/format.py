@@ -7,10 +7,13 @@ a half-written delta. It holds, per table it changes, ``<table>.ids`` (int64 [n]
 parameter, and in its metadata the model name, the **base** it applies to (the archive's identity,
 ``base_version``), its sequence number (1, 2, ... on each base) and a sha256 over its tensors.
 
-    >>> write_delta(d, model="dlrm", base=base, sequence=1, tables={"feature_0": (ids, rows)})
-    PosixPath('d/delta-00000001.safetensors')
-    >>> read_delta(delta_path(d, 1)).rows
-    2
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()  # the deltas' directory
+    >>> ids, rows = torch.tensor([3, 7]), torch.zeros(2, 16)  # rows 3 and 7 of feature_0, D = 16
+    >>> write_delta(d, model="dlrm", base="0123456789abcdef", sequence=1, tables={"feature_0": (ids, rows)}).name
+    'delta-00000001.safetensors'
+    >>> sorted(ready_sequences(d)), read_delta(delta_path(d, 1)).rows
+    ([1], 2)
 """
 
 from __future__ import annotations

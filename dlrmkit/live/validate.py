@@ -1,8 +1,15 @@
 """What a delta may touch: a served model's ``Target`` (its tables and dense shapes) and the check
 of a delta against it; ``changes``, what a delta between two state_dicts carries.
 
-    >>> target = target_for(config, DLRMFactory(config), "dlrm", base)
-    >>> target.check(read_delta(path), 1)  # DeltaError("range", "feature_0.ids: id 20 is out of range [0, 20)")
+    >>> import tempfile
+    >>> from dlrmkit.live.format import read_delta, write_delta
+    >>> config = DLRMConfig.from_yaml("model-config.yaml")  # 3 tables of 1,000 rows, D = 16
+    >>> target = target_for(config, DLRMFactory(config), "dlrm", "0123456789abcdef")
+    >>> rows = {"feature_0": (torch.tensor([999, 1000]), torch.zeros(2, 16))}
+    >>> path = write_delta(tempfile.mkdtemp(), "dlrm", "0123456789abcdef", 1, rows)
+    >>> target.check(read_delta(path), 1)
+    Traceback (most recent call last):
+    dlrmkit.errors.DeltaError: feature_0.ids: id 1000 is out of range [0, 1000)
 """
 
 from __future__ import annotations
