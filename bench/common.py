@@ -235,13 +235,17 @@ def load_served(cfg, model_dir: Path, freeze: bool = True):
     """The model of an unpacked archive (``model_dir``: dlrm.pt and whatever the archive carries)
     as a CPU worker serves it: the dense half at ``handler.dense_precision``
     (dlrmkit.dense.prepare, with the archive's calibration inputs), fp32 dense parts jit-frozen
-    (``freeze``); a host-forward reference of a reduced-precision archive thus runs what is served.
+    (``freeze``), the allocator as the worker sets it (handler.keep_freed_memory); a host-forward
+    reference of a reduced-precision archive thus runs what is served.
     Returns (model, what runs: dense.prepare's line)."""
     import torch
 
     from dlrmkit.model import DLRMFactory
     from dlrmkit import dense
+    from dlrmkit.malloc import keep_freed
 
+    if cfg.threads.keep_freed_memory:
+        keep_freed()
     factory = DLRMFactory(cfg)
     model = factory.load(Path(model_dir) / "dlrm.pt")
     model, what = dense.prepare(model, cfg, model_dir, [torch.device("cpu")])

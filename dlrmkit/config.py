@@ -85,6 +85,9 @@ class Threads:
     # threads of the worker (each part on torch_threads; at most one part per torch_threads CPUs
     # the process may use): the CPUs the worker alone would leave idle score its large query. 0 = never.
     split_rows: int = 0
+    # glibc's malloc keeps a forward's freed buffers for the next forward instead of giving them
+    # back to the kernel, which zeroes every page of them again (dlrmkit/malloc.py). false: glibc's own
+    keep_freed_memory: bool = True
 
 
 @dataclass(frozen=True)
@@ -321,7 +324,7 @@ def _build(raw: Mapping[str, Any], features: list[str], dim: int) -> Build:
 
 
 def _threads(raw: Mapping[str, Any]) -> Threads:
-    """``torch_threads`` and ``split_rows``: 0 or a positive integer each."""
+    """``torch_threads`` and ``split_rows``: 0 or a positive integer each; ``keep_freed_memory``: a bool."""
     for key, expected, example in (
         ("torch_threads", "0 (auto) or a positive integer", "0"),
         ("split_rows", "0 (never) or a positive number of rows", "350"),
@@ -329,7 +332,14 @@ def _threads(raw: Mapping[str, Any]) -> Threads:
         value = raw.get(key, 0)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(f"handler.{key}: expected {expected}, got {value!r} (e.g. {key}: {example})")
-    return Threads(torch_threads=raw.get("torch_threads", 0), split_rows=raw.get("split_rows", 0))
+    keep = raw.get("keep_freed_memory", True)
+    if not isinstance(keep, bool):
+        raise ConfigError(
+            f"handler.keep_freed_memory: expected true or false, got {keep!r} (e.g. keep_freed_memory: true)"
+        )
+    return Threads(
+        torch_threads=raw.get("torch_threads", 0), split_rows=raw.get("split_rows", 0), keep_freed_memory=keep
+    )
 
 
 def _live(raw: Mapping[str, Any]) -> Live:

@@ -44,6 +44,7 @@ from dlrmkit.forms import RequestParser
 from dlrmkit.hot import Fill, HotIndex, IdCounter, Prefetch, lock_said, small_tables, warm
 from dlrmkit.live import DeltaApplier, start_watcher
 from dlrmkit.live.applier import Emit
+from dlrmkit.malloc import keep_freed
 from dlrmkit.model import DLRMFactory
 from dlrmkit.protocols import Reply
 from dlrmkit.request import ParsedRequest
@@ -107,6 +108,7 @@ class Worker:
     counter: IdCounter | None = None  # with handler.count_ids_dir: counts the looked-up ids
     prefetch: Prefetch | None = None  # handler.prefetch: the pages of a forward's lookups asked for at once
     fill: Fill | None = None  # handler.prefetch, tables larger than memory: the rest read into the cache once ready
+    allocator = ""  # what load did to the C allocator (dlrmkit/malloc.py, handler.keep_freed_memory)
 
     def load(
         self,
@@ -122,6 +124,10 @@ class Worker:
         CPU rule (None: model_yaml's maxWorkers, else the rule's count)."""
         started = time.perf_counter()
         self.config, weights = self._read_config(model_dir, manifest, model_yaml)
+        self.allocator = (
+            keep_freed() if self.config.threads.keep_freed_memory else "glibc's own (handler.keep_freed_memory: false)"
+        )
+        logger.info("allocator: %s", self.allocator)
         devices = self._place(gpu_id, model_yaml, workers)
         dense, frozen = self._load_model(weights, devices)
         self._start_split_pool()
