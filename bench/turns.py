@@ -13,8 +13,9 @@ queries of 100-700 pairs, Poisson arrivals, at least --seconds and --min-queries
 against one at a time: per turn, each rate, each variant (after --prime seconds of the same load,
 unrecorded), the variants' order rotated by one each turn, so a drift of the host and the place in
 the order hit every variant alike. Reported per variant and rate: p99 per turn, how many
-runs LoadGen called VALID, and the median over turns of its p99 over the first variant's in the
-same turn. Writes turns.json, turns.md, run.json and loadgen/ to results/<date>-turns/ (--out DIR).
+runs LoadGen called VALID, the median over turns of its p99 over the first variant's in the same
+turn, the workers' CPU per query and the most a worker held of its own after a run (USS). Writes
+turns.json, turns.md, run.json and loadgen/ to results/<date>-turns/ (--out DIR).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ import time
 from pathlib import Path
 
 from bench import mlperf
-from bench.common import ROOT, build_archive, frontend_pid, log, machine, md_table, parse_variant, run_dir, serving
+from bench.common import ROOT, build_archive, frontend_pid, log, machine, md_table, memory_mb, parse_variant, run_dir
+from bench.common import serving
 from bench.common import write_report
 
 # What a run's report keeps of LoadGen's result (mlperf.run), beside the CPU per query of each group.
@@ -88,6 +90,8 @@ def in_turns(
                     )
                     runs.append({"turn": turn, "variant": v["variant"], **{k: r.get(k) for k in KEPT}})
                     runs[-1].update({k: r[k] for k in r if k.endswith("_cpu_us_per_query")})
+                    # what a worker holds of its own after the run (USS: its heap, not the shared tables)
+                    runs[-1]["workers_uss_mb"] = memory_mb(v["procs"]()["workers"], ("uss",))["uss"]
     return [{k: v[k] for k in ("variant", "overlay", "form")} for v in vs], runs
 
 
@@ -100,6 +104,7 @@ def summary(report: dict) -> list[dict]:
         for n in names:
             ratios = [r["p99_ms"] / base[r["turn"]] for r in at[n] if r["p99_ms"] and base.get(r["turn"])]
             cpu = [r.get("workers_cpu_us_per_query") for r in at[n] if r.get("workers_cpu_us_per_query")]
+            uss = [r["workers_uss_mb"] for r in at[n] if r.get("workers_uss_mb")]
             out.append(
                 {
                     "rate": rate,
@@ -110,6 +115,7 @@ def summary(report: dict) -> list[dict]:
                     "runs": len(at[n]),
                     "p99_ratio": round(statistics.median(ratios), 3) if ratios else None,
                     "workers_cpu_ms": round(statistics.median(cpu) / 1000, 2) if cpu else None,
+                    "workers_uss_mb": max(uss) if uss else None,
                 }
             )
     return out
@@ -133,7 +139,7 @@ def markdown(report: dict) -> list[str]:
     ]
     cells = [
         [f"{s['rate']:g}", s["variant"], f"{s['valid']} / {s['runs']}", ", ".join(str(x) for x in s["p99_ms"])]
-        + [", ".join(str(x) for x in s["max_ms"]), s["p99_ratio"], s["workers_cpu_ms"]]
+        + [", ".join(str(x) for x in s["max_ms"]), s["p99_ratio"], s["workers_cpu_ms"], s.get("workers_uss_mb")]
         for s in report["summary"]
     ]
     header = [
@@ -144,8 +150,9 @@ def markdown(report: dict) -> list[str]:
         "max ms per turn",
         f"p99 / {first}",
         "workers CPU ms / query",
+        "a worker's own MB (USS, max)",
     ]
-    return lines + md_table(header, cells, align="llrllrr")
+    return lines + md_table(header, cells, align="llrllrrr")
 
 
 def main(argv: list[str] | None = None) -> int:
