@@ -6,13 +6,13 @@ more than its trim threshold (twice the mmap threshold) at the heap's top is ret
 allocates and frees the same multi-MB activations every time, so every forward faults them back in
 and the kernel zeroes each page first: a served Criteo worker faulted ~1,700 pages for each 698-pair
 query (docs/performance.md). ``keep_freed`` sets both thresholds once, at load: buffers up to 32
-MiB come from the heap, and up to 1 GiB of free heap is kept. Measured on the Criteo config: ~0-3
-faults a query, the workers' CPU per query -13%, the p99 at 45 q/s 0.77x (docs/performance.md);
-the resident memory grows by what the largest forward frees (a few MB there).
+MiB come from the heap, and up to 1 GiB of free heap is kept. Measured on the Criteo config
+(docs/performance.md, "A forward's memory kept"): ~0-3 faults a query, 4-8% less of the workers'
+CPU per query and 0.87-0.96x the p99 under LoadGen, for 7-16 MB more of a worker's own memory.
 
-An allocator setting the user made (``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` or
-``GLIBC_TUNABLES``'s glibc.malloc thresholds, read by glibc at start) is left to decide; a libc
-other than glibc (musl) is left as it is. ``keep_freed`` says which, for the worker's log.
+An allocator setting the user made (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``,
+``MALLOC_TOP_PAD_``, ``MALLOC_MMAP_MAX_`` or ``GLIBC_TUNABLES``' glibc.malloc thresholds, read by
+glibc at start) is left to decide; a libc other than glibc (musl) is left as it is. ``keep_freed`` says which, for the worker's log.
 
 >>> class Libc:  # a glibc that takes every setting
 ...     def __init__(self): self.set = []
