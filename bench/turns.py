@@ -7,7 +7,9 @@ Server scenario's tail better on a machine whose speed drifts.
 
 bench/server_scenario.py's search runs one variant after another, minutes apart; on a shared host
 whose rates move by 2x within the hour that cannot tell apart two variants a few tenths apart.
-Here every variant (``NAME:key=value,...`` as in server_scenario.py) is built and served at once,
+Here every variant (``NAME:key=value,...`` as in server_scenario.py; ``form=`` and ``split=N`` are
+the load generator's: the queries' form, and a query of more than N pairs sent as requests of at
+most N at once) is built and served at once,
 each by its own TorchServe (an idle one costs the others nothing), and LoadGen (bench/mlperf.py,
 queries of 100-700 pairs, Poisson arrivals, at least --seconds and --min-queries per run) runs
 against one at a time: per turn, each rate, each variant (after --prime seconds of the same load,
@@ -46,13 +48,23 @@ def served(cfg_path: Path, variants: list[tuple[str, dict]], tmp: Path, args) ->
     for variant, items in variants:
         items = dict(items)
         form = mlperf.pop_form(variant, items, args.form)
+        split = int(items.pop("split", 0))  # the load generator's, not the server's: as server_scenario.py's
         name = variant.replace("-", "_").replace(".", "_")
         source, doc, env = build_archive(cfg_path, tmp / "store", name, items)
         cfg = DLRMConfig.from_yaml(source)
         probe = mlperf.probe(cfg)
-        pool = mlperf.query_pool(cfg, args.queries, form=form)  # the same queries for every variant
+        pool = mlperf.query_pool(cfg, args.queries, form=form, split=split)  # the same queries for every variant
         out.append(
-            {"variant": variant, "overlay": items, "form": form, "name": name, "env": env, "probe": probe, "pool": pool}
+            {
+                "variant": variant,
+                "overlay": items,
+                "form": form,
+                "split": split,
+                "name": name,
+                "env": env,
+                "probe": probe,
+                "pool": pool,
+            }
         )
     return out
 
@@ -92,7 +104,7 @@ def in_turns(
                     runs[-1].update({k: r[k] for k in r if k.endswith("_cpu_us_per_query")})
                     # what a worker holds of its own after the run (USS: its heap, not the shared tables)
                     runs[-1]["workers_uss_mb"] = memory_mb(v["procs"]()["workers"], ("uss",))["uss"]
-    return [{k: v[k] for k in ("variant", "overlay", "form")} for v in vs], runs
+    return [{k: v[k] for k in ("variant", "overlay", "form", "split")} for v in vs], runs
 
 
 def summary(report: dict) -> list[dict]:
@@ -121,6 +133,12 @@ def summary(report: dict) -> list[dict]:
     return out
 
 
+def said(v: dict) -> str:
+    """A variant's queries as the load generator sends them."""
+    split = v.get("split")
+    return v["form"] + (f"; a query of more than {split} pairs as requests sent at once" if split else "")
+
+
 def markdown(report: dict) -> list[str]:
     m, first = report["machine"], report["variants"][0]["variant"]
     lines = [
@@ -134,7 +152,7 @@ def markdown(report: dict) -> list[str]:
         f"p99 over {first}'s in the same turn. LoadGen's summaries: loadgen/.",
         "",
         "Variants: "
-        + "; ".join(f"`{v['variant']}` {v['overlay'] or 'as shipped'} ({v['form']})" for v in report["variants"]),
+        + "; ".join(f"`{v['variant']}` {v['overlay'] or 'as shipped'} ({said(v)})" for v in report["variants"]),
         "",
     ]
     cells = [

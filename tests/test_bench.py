@@ -800,7 +800,14 @@ def test_the_jit_sampler_gives_the_cpus_used_between_two_times():
 def test_turns_runs_each_variant_at_each_rate_in_turns_against_real_torchservers(tmp_path):
     from bench import turns
 
-    args = ["--config", "model-config.yaml", "--variant", "b64:", "--variant", "b8:batchSize=8,batchBytes=4096"]
+    args = [
+        "--config",
+        "model-config.yaml",
+        "--variant",
+        "b64:",
+        "--variant",
+        "b8:batchSize=8,batchBytes=4096,split=256",
+    ]
     args += ["--rates", "10", "--turns", "2", "--seconds", "2", "--max-seconds", "4", "--min-queries", "10"]
     args += ["--queries", "16", "--prime", "1", "--out", str(tmp_path / "turns")]
     assert turns.main(args) == 0
@@ -820,7 +827,10 @@ def test_turns_runs_each_variant_at_each_rate_in_turns_against_real_torchservers
     assert b8["p99_ratio"] == round(statistics.median(by_turn["b8", t] / by_turn["b64", t] for t in (0, 1)), 3)
     md = (out / "turns.md").read_text()
     assert f"| 10 | b8 | {b8['valid']} / 2 | {by_turn['b8', 0]}, {by_turn['b8', 1]} |" in md
-    assert "`b8` {'batchSize': 8, 'batchBytes': 4096} (columns)" in md
+    # split=256 is the load generator's: b8's queries over 256 pairs went as requests sent at once
+    assert [v["split"] for v in report["variants"]] == [0, 256]
+    assert "`b8` {'batchSize': 8, 'batchBytes': 4096} (columns; a query of more than 256 pairs as requests" in md
+    assert "`b64` as shipped (columns);" in md
 
 
 def tiny_big_models(tmp_path: Path) -> tuple[Path, Path]:
