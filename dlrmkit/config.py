@@ -332,14 +332,19 @@ def _threads(raw: Mapping[str, Any]) -> Threads:
         value = raw.get(key, 0)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(f"handler.{key}: expected {expected}, got {value!r} (e.g. {key}: {example})")
-    keep = raw.get("keep_freed_memory", True)
-    if not isinstance(keep, bool):
-        raise ConfigError(
-            f"handler.keep_freed_memory: expected true or false, got {keep!r} (e.g. keep_freed_memory: true)"
-        )
     return Threads(
-        torch_threads=raw.get("torch_threads", 0), split_rows=raw.get("split_rows", 0), keep_freed_memory=keep
+        torch_threads=raw.get("torch_threads", 0),
+        split_rows=raw.get("split_rows", 0),
+        keep_freed_memory=_flag(raw, "keep_freed_memory", True),
     )
+
+
+def _flag(raw: Mapping[str, Any], key: str, default: bool) -> bool:
+    """``handler.<key>``: true or false (``default`` when absent)."""
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"handler.{key}: expected true or false, got {value!r} (e.g. {key}: {str(default).lower()})")
+    return value
 
 
 def _live(raw: Mapping[str, Any]) -> Live:
@@ -358,9 +363,7 @@ def _live(raw: Mapping[str, Any]) -> Live:
 
 def _hot(raw: Mapping[str, Any]) -> Hot:
     """``hot_rows``, ``prefetch`` (bools), ``count_ids_dir`` (None: off) and ``count_ids_every`` (>= 1)."""
-    for key in ("hot_rows", "prefetch"):
-        if not isinstance(raw.get(key, True), bool):
-            raise ConfigError(f"handler.{key}: expected true or false, got {raw[key]!r} (e.g. {key}: true)")
+    hot_rows, prefetch = _flag(raw, "hot_rows", True), _flag(raw, "prefetch", True)
     where = raw.get("count_ids_dir")
     if where is not None and (not isinstance(where, str) or not where):
         raise ConfigError(
@@ -373,8 +376,8 @@ def _hot(raw: Mapping[str, Any]) -> Hot:
             "(e.g. count_ids_every: 16)"
         )
     return Hot(
-        hot_rows=raw.get("hot_rows", True),
-        prefetch=raw.get("prefetch", True),
+        hot_rows=hot_rows,
+        prefetch=prefetch,
         count_ids_dir=where,
         count_ids_every=every,
     )

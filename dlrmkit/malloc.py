@@ -12,7 +12,8 @@ CPU per query and 0.87-0.96x the p99 under LoadGen, for 7-16 MB more of a worker
 
 An allocator setting the user made (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``,
 ``MALLOC_TOP_PAD_``, ``MALLOC_MMAP_MAX_`` or ``GLIBC_TUNABLES``' glibc.malloc thresholds, read by
-glibc at start) is left to decide; a libc other than glibc (musl) is left as it is. ``keep_freed`` says which, for the worker's log.
+glibc at start) is left to decide; a libc other than glibc (musl) is left as it is. ``keep_freed``
+says which, for the worker's log.
 
 >>> class Libc:  # a glibc that takes every setting
 ...     def __init__(self): self.set = []

@@ -86,3 +86,11 @@ def test_groups_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.threads.split_rows = 4  # type: ignore[misc]
     assert TINY["seed"] == c.build.seed
+
+
+@pytest.mark.parametrize("key", ["hot_rows", "prefetch", "keep_freed_memory"])
+def test_a_flag_is_true_or_false(key):
+    group = "threads" if key == "keep_freed_memory" else "hot"
+    assert getattr(getattr(tiny_config(**{key: False}), group), key) is False
+    with pytest.raises(ConfigError, match=rf"^handler.{key}: expected true or false, got 1 \(e.g. {key}: true\)$"):
+        tiny_config(**{key: 1})

@@ -7,6 +7,7 @@ cannot be unset): its minor page faults per scored request, read from getrusage.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -139,7 +140,7 @@ def served(tmp_path_factory):
         cfg.write_text(yaml.safe_dump({"handler": {**handler, "keep_freed_memory": keep}}))
         out = tmp / f"model-{keep}"
         build_big.main(["--config", str(cfg), "--out", str(out)])
-        env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
         child = subprocess.run(
             [sys.executable, "-c", CHILD, str(out), *map(str, bodies)],
             cwd=ROOT,
