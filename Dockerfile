@@ -17,6 +17,8 @@
 ARG BASE=debian:bookworm-slim
 
 FROM ${BASE} AS build
+# The labels let `make image` drop the images a rebuild supersedes (Makefile, image).
+LABEL dlrmkit.stage=build
 RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 ARG VARIANT=cpu
@@ -48,6 +50,7 @@ RUN cd /src && export PYTHONPATH=/src && if [ "${VARIANT}" = cuda ]; then mkdir 
       --mount /opt/dlrm/model --port 8080 --config model-config.yaml; fi
 
 FROM ${BASE}
+LABEL dlrmkit.stage=image
 # g++ and python3-dev: a reduced-precision dense half (handler.dense_precision bf16/int8) is compiled
 # by Inductor at worker start for the CPU it runs on: C++ kernels built as Python extensions (omp.h,
 # Python.h). Compiled on the serving CPU rather than carried, so an image serves on any x86 host.

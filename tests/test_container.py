@@ -541,6 +541,43 @@ def test_an_empty_base_is_removed_and_made_again_never_reused(engine, tmp_path):
         docker("image", "rm", "-f", base, check=False)
 
 
+def superseded(tmp_path: Path, label: str) -> str:
+    """An image built twice under one tag: the first build's id, left untagged (dangling)."""
+    (tmp_path / "Dockerfile").write_text(f"FROM debian:bookworm-slim\nARG N\nLABEL {label}=$N\n")
+    tag = f"dlrmkit-test-superseded:{uuid.uuid4().hex[:8]}"
+    ids = []
+    for n in (1, 2):
+        docker("build", "-q", "--build-arg", f"N={n}", "-t", tag, str(tmp_path))
+        ids.append(docker("image", "inspect", "-f", "{{.Id}}", tag).stdout.strip())
+    docker("image", "rm", tag)
+    assert ids[0] != ids[1] and exists(ids[0])
+    return ids[0]
+
+
+def test_a_rebuild_drops_the_images_it_superseded_and_keeps_its_cache(image, tmp_path):
+    """Each rebuild left the old image and build stage untagged, ~4 GB: CI's disk filled up."""
+    ours = superseded(tmp_path, "dlrmkit.stage")
+    theirs = superseded(tmp_path, "someone.else")
+    try:
+        out = subprocess.run(["make", "-C", str(ROOT), "image"], capture_output=True, text=True, timeout=1800)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert not exists(ours)
+        assert exists(theirs)  # another project's untagged image is not ours to remove
+        dangling = docker("images", "-q", "-f", "dangling=true", "-f", "label=dlrmkit.stage").stdout.split()
+        assert dangling == []
+        # The build stage stays, tagged, and is the cache: nothing rebuilt, the venv layer reused.
+        assert (
+            docker(
+                "image", "inspect", "-f", '{{index .Config.Labels "dlrmkit.stage"}}', "dlrmkit-build-cache:cpu"
+            ).stdout
+            == "build\n"
+        )
+        assert "Running in" not in out.stdout
+        assert exists(image)
+    finally:
+        docker("image", "rm", "-f", ours, theirs, check=False)
+
+
 # --- the second door: KServe's own model server in the same image --------------------------------
 
 DOOR_RUNTIME = DEPLOY / "kserve-door" / "servingruntime.yaml"
