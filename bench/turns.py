@@ -16,7 +16,7 @@ against one at a time: per turn, each rate, each variant (after --prime seconds 
 unrecorded), the variants' order rotated by one each turn, so a drift of the host and the place in
 the order hit every variant alike. Reported per variant and rate: p99 per turn, how many
 runs LoadGen called VALID, the median over turns of its p99 over the first variant's in the same
-turn, the workers' CPU per query and the most a worker held of its own after a run (USS). Writes
+turn, the workers' and the frontend's CPU per query and the most a worker held of its own after a run (USS). Writes
 turns.json, turns.md, run.json and loadgen/ to results/<date>-turns/ (--out DIR).
 """
 
@@ -116,6 +116,7 @@ def summary(report: dict) -> list[dict]:
         for n in names:
             ratios = [r["p99_ms"] / base[r["turn"]] for r in at[n] if r["p99_ms"] and base.get(r["turn"])]
             cpu = [r.get("workers_cpu_us_per_query") for r in at[n] if r.get("workers_cpu_us_per_query")]
+            front = [r.get("frontend_cpu_us_per_query") for r in at[n] if r.get("frontend_cpu_us_per_query")]
             uss = [r["workers_uss_mb"] for r in at[n] if r.get("workers_uss_mb")]
             out.append(
                 {
@@ -127,6 +128,7 @@ def summary(report: dict) -> list[dict]:
                     "runs": len(at[n]),
                     "p99_ratio": round(statistics.median(ratios), 3) if ratios else None,
                     "workers_cpu_ms": round(statistics.median(cpu) / 1000, 2) if cpu else None,
+                    "frontend_cpu_ms": round(statistics.median(front) / 1000, 2) if front else None,
                     "workers_uss_mb": max(uss) if uss else None,
                 }
             )
@@ -157,7 +159,8 @@ def markdown(report: dict) -> list[str]:
     ]
     cells = [
         [f"{s['rate']:g}", s["variant"], f"{s['valid']} / {s['runs']}", ", ".join(str(x) for x in s["p99_ms"])]
-        + [", ".join(str(x) for x in s["max_ms"]), s["p99_ratio"], s["workers_cpu_ms"], s.get("workers_uss_mb")]
+        + [", ".join(str(x) for x in s["max_ms"]), s["p99_ratio"], s["workers_cpu_ms"], s.get("frontend_cpu_ms")]
+        + [s.get("workers_uss_mb")]
         for s in report["summary"]
     ]
     header = [
@@ -168,9 +171,10 @@ def markdown(report: dict) -> list[str]:
         "max ms per turn",
         f"p99 / {first}",
         "workers CPU ms / query",
+        "frontend CPU ms / query",
         "a worker's own MB (USS, max)",
     ]
-    return lines + md_table(header, cells, align="llrllrrr")
+    return lines + md_table(header, cells, align="llrllrrrr")
 
 
 def main(argv: list[str] | None = None) -> int:

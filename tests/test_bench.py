@@ -817,11 +817,14 @@ def test_turns_runs_each_variant_at_each_rate_in_turns_against_real_torchservers
     assert [(r["turn"], r["variant"]) for r in report["runs"]] == [(0, "b64"), (0, "b8"), (1, "b8"), (1, "b64")]
     for r in report["runs"]:
         assert r["errors"] == 0 and r["p99_ms"] > 0 and r["workers_cpu_us_per_query"] > 0
+        assert r["frontend_cpu_us_per_query"] > 0
         assert 10 < r["workers_uss_mb"] < 4096  # a worker's own pages: torch's and the model's, not nothing
         summary = (out / "loadgen" / f"{r['variant']}-10qps-turn{r['turn']}.txt").read_text()
         assert mlperf.parse_summary(summary)["p99_ms"] == r["p99_ms"]
     b64, b8 = report["summary"]
     assert b64["p99_ratio"] == 1.0 and b64["runs"] == b8["runs"] == 2
+    front = statistics.median(r["frontend_cpu_us_per_query"] for r in report["runs"] if r["variant"] == "b8")
+    assert b8["frontend_cpu_ms"] == round(front / 1000, 2)
     assert b8["workers_uss_mb"] == max(r["workers_uss_mb"] for r in report["runs"] if r["variant"] == "b8")
     by_turn = {(r["variant"], r["turn"]): r["p99_ms"] for r in report["runs"]}
     assert b8["p99_ratio"] == round(statistics.median(by_turn["b8", t] / by_turn["b64", t] for t in (0, 1)), 3)
