@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -101,12 +102,39 @@ def paced_p50(call, seconds: float) -> float:
     return percentile([paced() for _ in range(max(50, int(seconds / 0.003)))], 50)
 
 
+@contextlib.contextmanager
+def torchrec_parts(model):
+    """``model`` with torchrec's own SparseArch and InteractionArch for a while, where it serves the
+    kit's faster ones (dlrmkit/parts.py): the same objects, their class swapped back."""
+    from torchrec.models.dlrm import InteractionArch, SparseArch
+
+    from dlrmkit.parts import FlatDotInteraction, PooledSparseArch
+
+    mods = [getattr(model, n, None) for n in ("sparse_arch", "inter_arch")]
+    kit = [type(m) for m in mods]
+    for m, own in zip(mods, (SparseArch, InteractionArch)):
+        if type(m) in (PooledSparseArch, FlatDotInteraction):
+            m.__class__ = own
+    try:
+        yield
+    finally:
+        for m, cls in zip(mods, kit):
+            if m is not None:
+                m.__class__ = cls
+
+
 def bench_raw(model, cfg, seconds: float) -> list[dict]:
-    """Rows/s and p50/p99 ms per call of ``model`` per batch size; at batch 1 also paced 2 ms apart."""
+    """Rows/s and p50/p99 ms per call of ``model`` per batch size; at batch 1 also paced 2 ms apart.
+    Beside it, in alternating halves of the time, the same model with torchrec's own sparse arch
+    and interaction (``torchrec_parts``): what dlrmkit/parts.py's two parts are worth."""
     rows, rng = [], random.Random(1)
     for b in BATCHES:
         call = raw_caller(cfg, b, rng)(model)
-        t = timed_calls(call, seconds)
+        t, own = [], []
+        for _ in range(2):
+            t += timed_calls(call, seconds / 2)
+            with torchrec_parts(model):
+                own += timed_calls(call, seconds / 2)
         rows.append(
             {
                 "batch": b,
@@ -114,6 +142,8 @@ def bench_raw(model, cfg, seconds: float) -> list[dict]:
                 "rows_per_s": round(b * len(t) / sum(t)),
                 "p50_ms": round(percentile(t, 50) * 1e3, 3),
                 "p99_ms": round(percentile(t, 99) * 1e3, 3),
+                "torchrec_parts_rows_per_s": round(b * len(own) / sum(own)),
+                "vs_torchrec_parts": round(sum(own) / len(own) / (sum(t) / len(t)), 3),
             }
         )
         if b == 1:
@@ -416,10 +446,16 @@ def markdown(report) -> str:
         f"ms, {ts['workers']} worker(s); served points after {ts.get('warm_up_s', 0):.0f} s of warm-up load.",
         "",
         "**1. Raw forward** (the model as served: fp32 tables in fbgemm's fused kernel, dense and over arch "
-        "jit-frozen)",
+        "jit-frozen, the pooled embeddings read as a view, the interaction's products picked by one index_select; "
+        "beside it, in alternating halves of the time, the same model with torchrec's own sparse arch and "
+        "interaction)",
         "",
     ]
-    lines += table("batch | rows/s | p50 ms | p99 ms", "batch rows_per_s p50_ms p99_ms", report["raw_forward"])
+    lines += table(
+        "batch | rows/s | p50 ms | p99 ms | with torchrec's parts, rows/s | served / torchrec's parts",
+        "batch rows_per_s p50_ms p99_ms torchrec_parts_rows_per_s vs_torchrec_parts",
+        report["raw_forward"],
+    )
     paced = report["raw_forward"][0].get("paced_2ms_p50_ms")
     if paced:
         lines += ["", f"Batch 1 with the core idle 2 ms between calls (as at concurrency 1): p50 {paced} ms."]

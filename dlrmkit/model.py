@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Mapping, cast
 
 import torch
-from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRM_Projection
+from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRM_Projection, InteractionArch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -19,6 +19,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from dlrmkit.config import DLRMConfig
 from dlrmkit.errors import ConfigError
 from dlrmkit.hot import COLD, HOT, HotIndex
+from dlrmkit.parts import flat_interaction, pooled_view
 from dlrmkit.scale import (
     DTYPES,
     EBC,
@@ -193,6 +194,8 @@ class DLRMFactory:
             part.to(devices[0])
         if not adopt_tables(qebc, state):
             copy_tables(qebc, state)
+        if not sharded:  # the pooled embeddings read as a view, not copied (dlrmkit/parts.py)
+            pooled_view(model.sparse_arch)
         served = (shard(model, devices)[0] if sharded else model).eval()
         served.hot_index = index  # the packed tables' hot rows (dlrmkit/hot.py), None when unpacked
         return served
@@ -201,8 +204,10 @@ class DLRMFactory:
         """Swap the dense arch and the over arch for ``torch.jit.freeze``-d traces of themselves:
         the forward at batch 1-32 took ~8-10% less on CPU (docs/performance.md). Each is traced
         on a probe batch and kept only if its output there equals the eager module's bit for bit
-        (else left eager). Returns the names of the parts frozen. A frozen part has no
-        parameters left: call this on a model to serve, not one to save or shard."""
+        (else left eager). The dot interaction then picks its products with one index_select
+        (``dlrmkit.parts.FlatDotInteraction``), kept only if the model's logits on the probe stay
+        those of the model before this call. Returns the names of the parts swapped. A frozen part
+        has no parameters left: call this on a model to serve, not one to save or shard."""
         c, n = self.config, 8
         dense = torch.randn(n, c.num_dense_features, generator=torch.Generator().manual_seed(0))
         # id 0 of every table: random ids would page in (and count in RSS) scattered table pages
@@ -223,7 +228,7 @@ class DLRMFactory:
         hooks = [getattr(model, name).register_forward_hook(keep(name)) for name in ("dense_arch", "over_arch")]
         try:
             with torch.no_grad():
-                model(dense.to(device), kjt.to(device))
+                logits = model(dense.to(device), kjt.to(device))
         finally:
             for h in hooks:
                 h.remove()
@@ -239,6 +244,13 @@ class DLRMFactory:
             if same:
                 setattr(model, name, part)
                 frozen.append(name)
+        inter = model.inter_arch
+        if flat_interaction(inter):
+            with torch.no_grad():
+                if torch.equal(model(dense.to(device), kjt.to(device)), logits):
+                    frozen.append("inter_arch")
+                else:  # never seen: the same products picked in the same order
+                    inter.__class__ = InteractionArch
         return frozen
 
     def load_fp32(self, state: dict[str, torch.Tensor]) -> DLRM:

@@ -905,3 +905,25 @@ def test_bigtables_profile_times_a_packed_and_a_plain_model_in_turns(tmp_path):
         assert (r["redirect"]["mean"] > 0) == v.startswith("packed"), v
         assert r["prefetch"]["mean"] == 0, v  # tables this small are never prefetched
     assert "packed / capped: total mean" in (out / "bigtables-profile.md").read_text()
+
+
+def test_the_raw_forward_reports_the_kits_parts_against_torchrecs_own(archived, config):
+    """benchmark.py's raw forward times the served model and, in alternating halves, the same model
+    with torchrec's own sparse arch and interaction; the kit's parts are back afterwards."""
+    from torchrec.models.dlrm import InteractionArch, SparseArch
+
+    from bench import benchmark
+    from dlrmkit.model import DLRMFactory
+    from dlrmkit.parts import FlatDotInteraction, PooledSparseArch
+
+    served = DLRMFactory(config).load(archived)
+    DLRMFactory(config).freeze_dense(served)
+    with benchmark.torchrec_parts(served):
+        assert (type(served.sparse_arch), type(served.inter_arch)) == (SparseArch, InteractionArch)
+    assert (type(served.sparse_arch), type(served.inter_arch)) == (PooledSparseArch, FlatDotInteraction)
+    rows = benchmark.bench_raw(served, config, 0.02)
+    assert [r["batch"] for r in rows] == list(benchmark.BATCHES)
+    for r in rows:
+        assert r["torchrec_parts_rows_per_s"] > 0
+        assert r["vs_torchrec_parts"] == pytest.approx(r["rows_per_s"] / r["torchrec_parts_rows_per_s"], rel=0.01)
+    assert type(served.inter_arch) is FlatDotInteraction

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -159,9 +160,41 @@ def test_freeze_dense_keeps_scores_identical(archived, config):
     """The handler serves jit.freeze-d dense and over arches: same scores at any batch size."""
     eager = DLRMFactory(config).load(archived)
     frozen = DLRMFactory(config).load(archived)
-    assert DLRMFactory(config).freeze_dense(frozen) == ["dense_arch", "over_arch"]
+    assert DLRMFactory(config).freeze_dense(frozen) == ["dense_arch", "over_arch", "inter_arch"]
     assert isinstance(frozen.over_arch, torch.jit.ScriptModule)
     for n in (1, 5, 64):
         dense, kjt = DLRMFactory(config).probe_batch(n, torch.Generator().manual_seed(n))
         with torch.inference_mode():
             assert torch.equal(frozen(dense, kjt), eager(dense, kjt))
+
+
+def test_the_served_parts_read_faster_and_score_bit_for_bit(archived, config, model):
+    """The loaded model reads its pooled embeddings as a view and its dot interaction with one
+    index_select (dlrmkit/parts.py): the same scores as torchrec's own parts, bit for bit, at
+    every batch size, empty bags and the tables' last rows included."""
+    from torchrec.models.dlrm import InteractionArch, SparseArch
+
+    from dlrmkit.parts import FlatDotInteraction, PooledSparseArch
+
+    served = DLRMFactory(config).load(archived)
+    assert type(served.sparse_arch) is PooledSparseArch
+    DLRMFactory(config).freeze_dense(served)
+    assert type(served.inter_arch) is FlatDotInteraction
+    assert not any("flat" in k for k in served.state_dict())  # nothing saved or loaded changes
+    for n in (1, 2, 5, 64, 700):
+        dense, kjt = DLRMFactory(config).probe_batch(n, torch.Generator().manual_seed(n))
+        with torch.inference_mode():
+            pooled = served.sparse_arch(kjt)
+            assert torch.equal(pooled, SparseArch.forward(served.sparse_arch, kjt))  # torchrec's split + cat
+            bottom = served.dense_arch(dense)
+            mine = served.inter_arch(bottom, pooled)
+            assert torch.equal(mine, InteractionArch.forward(served.inter_arch, bottom, pooled))
+            assert torch.equal(served(dense, kjt), model(dense, kjt))  # the fp32 model as trained
+    # tables whose keys come in another order than the model's: torchrec's split and concatenation
+    other = copy.copy(served.sparse_arch)
+    other._sparse_feature_names = served.sparse_arch._sparse_feature_names[::-1]
+    dense, kjt = DLRMFactory(config).probe_batch(3, torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        by_key = served.sparse_arch.embedding_bag_collection(kjt).to_dict()
+        want = torch.stack([by_key[f] for f in other._sparse_feature_names], dim=1)
+        assert torch.equal(other(kjt), want) and not torch.equal(want, served.sparse_arch(kjt))
