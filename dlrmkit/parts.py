@@ -10,10 +10,12 @@
   order.
 
 On the Criteo layout (26 tables, D=64) and one core these took ~1.5 ms of a 698-row forward's
-~17.8 ms (docs/performance.md). Each is swapped in by class (``__class__``): the module keeps its
-identity, children and state_dict keys, so every path that names ``sparse_arch`` or ``inter_arch``
-(table views, deltas, sharding) sees the same object. Only modules of exactly torchrec's class are
-swapped; anything else (DCN, projection, a sharded sparse arch) is left as it is.
+~17.8 ms (the copy ~0.6, the gather ~1.0; docs/performance.md). Each is swapped in by class
+(``__class__``): the module keeps its identity, children and state_dict keys, so every path that
+names ``sparse_arch`` or ``inter_arch`` (table views, deltas, hot rows) sees the same object. Only
+modules of exactly torchrec's class are swapped: DCN's and the projection's interactions are left
+as they are (their sparse arch is torchrec's and is read as a view), and ``DLRMFactory.load``
+leaves a sharded model's sparse arch alone.
 
 >>> import torch
 >>> from torchrec.models.dlrm import InteractionArch

@@ -125,8 +125,11 @@ def test_int8_without_calibration_is_dynamic_and_says_so():
 def test_the_int8_compile_itself_runs_on_any_x86_cpu():
     """The compile and calibration machinery, past the CPU check, on whatever CPU runs the tests
     (on an AVX2 one its scores are not served: the worker falls back), so every CI host covers it."""
+    from dlrmkit.parts import pooled_view
+
     config = tiny_config(**variant("dcn"), dense_precision="int8")
     model = DLRMFactory(config).random().eval()
+    assert pooled_view(model.sparse_arch)  # as DLRMFactory.load serves it
     dense_x, kjt = probe(config)
     calibration = dense.calibration_inputs(model, [probe(config, seed=s) for s in (2, 3)])
     served, what = dense._compile(model, config, "int8", calibration, (2, 8))
@@ -147,8 +150,11 @@ def test_served_batches_never_compile_the_half_again(monkeypatch):
 
     from dlrmkit.batch import Batch, scores
 
+    from dlrmkit.parts import pooled_view
+
     config = tiny_config(**variant("dcn"))
     model = DLRMFactory(config).random().eval()
+    assert pooled_view(model.sparse_arch)  # as DLRMFactory.load serves it: the pooled rows a view
     served, _ = dense._compile(model, config, "bf16", None, (2, 4, 8, 16))
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     split = config.with_changes(split_rows=4)
