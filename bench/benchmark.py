@@ -105,22 +105,19 @@ def paced_p50(call, seconds: float) -> float:
 @contextlib.contextmanager
 def torchrec_parts(model):
     """``model`` with torchrec's own SparseArch and InteractionArch for a while, where it serves the
-    kit's faster ones (dlrmkit/parts.py): the same objects, their class swapped back."""
-    from torchrec.models.dlrm import InteractionArch, SparseArch
-
+    kit's faster ones (dlrmkit/parts.py, each a subclass of torchrec's): the same objects, their
+    class swapped back to its base."""
     from dlrmkit.parts import FlatDotInteraction, PooledSparseArch
 
     mods = [getattr(model, n, None) for n in ("sparse_arch", "inter_arch")]
-    kit = [type(m) for m in mods]
-    for m, own in zip(mods, (SparseArch, InteractionArch)):
-        if type(m) in (PooledSparseArch, FlatDotInteraction):
-            m.__class__ = own
+    kit = [(m, type(m)) for m in mods if type(m) in (PooledSparseArch, FlatDotInteraction)]
+    for m, cls in kit:
+        m.__class__ = cls.__base__
     try:
         yield
     finally:
-        for m, cls in zip(mods, kit):
-            if m is not None:
-                m.__class__ = cls
+        for m, cls in kit:
+            m.__class__ = cls
 
 
 def bench_raw(model, cfg, seconds: float) -> list[dict]:

@@ -9,15 +9,15 @@ bench/server_scenario.py's search runs one variant after another, minutes apart;
 whose rates move by 2x within the hour that cannot tell apart two variants a few tenths apart.
 Here every variant (``NAME:key=value,...`` as in server_scenario.py; ``form=`` and ``split=N`` are
 the load generator's: the queries' form, and a query of more than N pairs sent as requests of at
-most N at once) is built and served at once,
-each by its own TorchServe (an idle one costs the others nothing), and LoadGen (bench/mlperf.py,
-queries of 100-700 pairs, Poisson arrivals, at least --seconds and --min-queries per run) runs
-against one at a time: per turn, each rate, each variant (after --prime seconds of the same load,
-unrecorded), the variants' order rotated by one each turn, so a drift of the host and the place in
-the order hit every variant alike. Reported per variant and rate: p99 per turn, how many
-runs LoadGen called VALID, the median over turns of its p99 over the first variant's in the same
-turn, the workers' and the frontend's CPU per query and the most a worker held of its own after a run (USS). Writes
-turns.json, turns.md, run.json and loadgen/ to results/<date>-turns/ (--out DIR).
+most N at once) is built and served at once, each by its own TorchServe (an idle one costs the
+others nothing), and LoadGen (bench/mlperf.py, queries of 100-700 pairs, Poisson arrivals, at
+least --seconds and --min-queries per run) runs against one at a time: per turn, each rate, each
+variant (after --prime seconds of the same load, unrecorded), the variants' order rotated by one
+each turn, so a drift of the host and the place in the order hit every variant alike. Reported
+per variant and rate: p99 per turn, how many runs LoadGen called VALID, the median over turns of
+its p99 over the first variant's in the same turn, the workers' and the frontend's CPU per query
+and the most a worker held of its own after a run (USS). Writes turns.json, turns.md, run.json
+and loadgen/ to results/<date>-turns/ (--out DIR).
 """
 
 from __future__ import annotations

@@ -149,7 +149,6 @@ def test_served_batches_never_compile_the_half_again(monkeypatch):
     import torch._dynamo
 
     from dlrmkit.batch import Batch, scores
-
     from dlrmkit.parts import pooled_view
 
     config = tiny_config(**variant("dcn"))
