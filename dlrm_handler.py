@@ -21,6 +21,7 @@ import atexit
 import collections
 import functools
 import logging
+import os
 import re
 import time
 from abc import ABC
@@ -32,8 +33,9 @@ from ts.torch_handler.base_handler import BaseHandler
 from ts.utils.util import PredictionException
 
 from dlrmkit.batch import Batch, RequestBatch
-from dlrmkit.errors import RequestError, ServerError
+from dlrmkit.errors import ConfigError, RequestError, ServerError
 from dlrmkit.protocols import BINARY_HEADER, open_request
+from dlrmkit.tally import GAUGE, Tally
 from dlrmkit.worker import DELTA_HEADER, Worker, form_post
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,13 @@ URL_PATH = ("url_path",)
 HOST = ("Host", "host", "HOST")
 BINARY_SPELLINGS = (BINARY_HEADER, BINARY_HEADER.lower())
 CONTENT_TYPE = ("Content-Type", "content-type", "Content-type", "CONTENT-TYPE")
+# TorchServe's metrics are lines on the worker's stdout that its frontend reads back, matches and
+# logs again: eight a batch (seven of them the handler's), plus the worker's receipt line. Under
+# MLPerf's Server scenario that reading was 30% of the frontend's sampled CPU, so the handler's
+# metrics are summed and emitted every METRICS_SECONDS (docs/operations.md#metrics) and the receipt
+# line, which says only the time, is dropped. 0: both per batch, as TorchServe's own handlers.
+METRICS_SECONDS_ENV, METRICS_SECONDS = "DLRM_METRICS_SECONDS", 0.25
+RECEIPT = "Backend received inference at: %d"  # ts/protocol/otf_message_handler.py, per batch
 
 
 class TorchRecDLRMHandler(Worker, BaseHandler, ABC):
@@ -67,6 +76,11 @@ class TorchRecDLRMHandler(Worker, BaseHandler, ABC):
     def initialize(self, context):
         self.manifest = context.manifest
         metrics = getattr(context, "metrics", None)
+        seconds = _metrics_seconds(os.environ.get(METRICS_SECONDS_ENV))
+        self.sink = metrics  # the metrics object of the latest batch's context: where the tally emits
+        self.tally = Tally(self._emit, seconds)
+        # the worker's own module logs the receipt line on the root logger (one handler per process)
+        (logging.getLogger().addFilter if seconds else logging.getLogger().removeFilter)(_no_receipt)
         self.load(
             context.system_properties.get("model_dir") or ".",
             self.manifest,
@@ -89,12 +103,16 @@ class TorchRecDLRMHandler(Worker, BaseHandler, ABC):
         with the process, the writer process with its parent (PR_SET_PDEATHSIG, dlrmkit/live/writer.py);
         tests/test_variants_server.py checks that nothing is left."""
         atexit.unregister(self.close)
+        tally = getattr(self, "tally", None)
+        if tally is not None:
+            tally.close()  # what is pending goes out
         super().close()
         self.initialized = False
 
     def handle(self, data, context):
         """One TorchServe batch in, exactly one response per request out, in order."""
         t = [time.perf_counter()]
+        self.sink = context.metrics
         work = self.preprocess(data, context)
         t.append(time.perf_counter())
         # The whole batch scored under one delta sequence: never between a delta's rows (dlrmkit/live/)
@@ -107,7 +125,7 @@ class TorchRecDLRMHandler(Worker, BaseHandler, ABC):
                 context.set_response_header(i, DELTA_HEADER, str(sequence))
         t.append(time.perf_counter())
         _record_metrics(
-            context.metrics,
+            self.tally,
             len(data),
             work.forwards,
             work.errors,
@@ -172,26 +190,56 @@ class TorchRecDLRMHandler(Worker, BaseHandler, ABC):
             out.append(reply.body)
         return out
 
+    def _emit(self, name: str, value: float, unit: str, kind: str, dims: tuple) -> None:
+        """One summed metric into TorchServe's metrics API (the tally's thread, or this one with 0
+        seconds). Fresh Dimension lists: TorchServe's metrics API appends to the list it is given."""
+        dimensions = [Dimension(k, v) for k, v in dims]
+        if kind == GAUGE:
+            self.sink.add_time(name, value, None, unit, dimensions)
+        elif unit == "count":
+            self.sink.add_counter(name, value, None, dimensions)
+        else:
+            self.sink.add_metric(name, round(value, 3), unit, None, dimensions)
+
 
 def _record_metrics(
-    metrics, n_requests: int, batches: list[tuple[Batch, list[int]]], errors: dict, t: list[float], clipped: int = 0
+    tally: Tally, n_requests: int, batches: list[tuple[Batch, list[int]]], errors: dict, t: list[float], clipped: int = 0
 ) -> None:
-    """One batch's counters; each is declared in metrics.yaml with exactly these dimensions
-    (TorchServe appends ModelName and Level) or TorchServe drops it. Fresh Dimension lists:
-    TorchServe's metrics API appends to the list it is given."""
-    metrics.add_time("HandlerTime", round((t[-1] - t[0]) * 1000, 2), None, "ms")
-    metrics.add_counter("dlrm_batches_total", 1, None, [])
-    metrics.add_counter("dlrm_requests_total", n_requests, None, [])
-    metrics.add_counter("dlrm_instances_total", sum(sum(b.rows) for b, _ in batches), None, [])
+    """One batch's counters, into the tally (emitted by ``TorchRecDLRMHandler._emit``). Each is
+    declared in metrics.yaml with exactly these dimensions (TorchServe appends ModelName and Level)
+    or TorchServe drops it."""
+    tally.add("HandlerTime", round((t[-1] - t[0]) * 1000, 2), "ms", GAUGE)
+    tally.add("dlrm_batches_total", 1)
+    tally.add("dlrm_requests_total", n_requests)
+    tally.add("dlrm_instances_total", sum(sum(b.rows) for b, _ in batches))
     for phase, start, end in zip(("preprocess", "inference", "postprocess"), t, t[1:]):
-        metrics.add_metric(f"dlrm_{phase}_ms_total", round((end - start) * 1000, 3), "ms", None, [])
+        tally.add(f"dlrm_{phase}_ms_total", (end - start) * 1000, "ms")
     remapped = sum(b.remapped_ids for b, _ in batches)
     if remapped:
-        metrics.add_counter("dlrm_remapped_ids_total", remapped, None, [])
+        tally.add("dlrm_remapped_ids_total", remapped)
     if clipped:
-        metrics.add_counter("dlrm_clipped_dense_total", clipped, None, [])
+        tally.add("dlrm_clipped_dense_total", clipped)
     for kind, count in collections.Counter(type(e).__name__ for e in errors.values()).items():
-        metrics.add_counter("dlrm_rejected_requests_total", count, None, [Dimension("ErrorType", kind)])
+        tally.add("dlrm_rejected_requests_total", count, dims=(("ErrorType", kind),))
+
+
+def _metrics_seconds(raw: str | None) -> float:
+    """DLRM_METRICS_SECONDS: how often the handler's metrics go out (default METRICS_SECONDS)."""
+    if raw is None or raw.strip() == "":
+        return METRICS_SECONDS
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= 60:
+        raise ConfigError(
+            f"{METRICS_SECONDS_ENV}={raw!r}: expected seconds from 0 (every batch) to 60, e.g. {METRICS_SECONDS}"
+        )
+    return seconds
+
+
+def _no_receipt(record: logging.LogRecord) -> bool:
+    return record.msg != RECEIPT
 
 
 def _live_metric(metrics, name: str, value: float, unit: str, **dims: str) -> None:

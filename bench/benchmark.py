@@ -197,6 +197,7 @@ def handler_point(handler, cfg, n_req: int, kind, bodies: list, seconds: float) 
         wall = time.perf_counter() - t0
         if ctx.statuses:
             raise AssertionError(f"benchmark requests were refused: {ctx.statuses}")
+        handler.tally.flush()  # the call's counters into ctx now (the handler's thread emits them every 0.25 s)
         inference_ms = next(v for n, v, _ in reversed(ctx.metrics.recorded) if n == "dlrm_inference_ms_total")
         paired.append((wall, inference_ms / 1e3))
 

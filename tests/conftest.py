@@ -88,7 +88,10 @@ def handler(tmp_path, archived):
 
 
 def call(handler, bodies, handler_section=None):
-    """Run one TorchServe batch through handler.handle; returns (outputs, context)."""
+    """Run one TorchServe batch through handler.handle; returns (outputs, context), the batch's
+    metrics emitted into the context (the handler's tally would within DLRM_METRICS_SECONDS)."""
     ctx = FakeContext(Path("."), handler_section or dict(TINY))
     ctx.request_ids = {i: f"req-{i}" for i in range(len(bodies))}
-    return handler.handle([{"body": b} for b in bodies], ctx), ctx
+    out = handler.handle([{"body": b} for b in bodies], ctx)
+    handler.tally.flush()
+    return out, ctx

@@ -19,7 +19,7 @@ KIT = ROOT / "dlrmkit"
 FLOORS: list[set[str]] = [
     {"errors"},
     {"config"},
-    {"cpus", "malloc", "parts", "scale", "hot"},
+    {"cpus", "malloc", "parts", "scale", "hot", "tally"},
     {"model"},
     {"dense", "criteo", "schema", "request", "forms", "protocols", "batch"},
     {"accuracy", "checkpoint", "live", "stream", "worker"},

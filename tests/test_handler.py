@@ -285,7 +285,7 @@ def lifecycle_section(tmp_path: Path) -> dict:
     return {**TINY, "split_rows": 2, "torch_threads": 1, "delta_dir": str(tmp_path / "deltas"), "delta_poll_s": 0.05}
 
 
-def test_close_stops_the_split_pool_the_live_watcher_and_its_writer_process(tmp_path, archived, monkeypatch):
+def test_close_stops_the_split_pool_the_live_watcher_its_writer_process_and_the_metrics(tmp_path, archived, monkeypatch):
     from dlrm_handler import TorchRecDLRMHandler
     from dlrmkit import worker
 
@@ -301,7 +301,7 @@ def test_close_stops_the_split_pool_the_live_watcher_and_its_writer_process(tmp_
     writer = wait_until(lambda: h.deltas.process.child, lambda child: child is not None)
     assert writer is not None and writer.poll() is None
     helpers = [t for t in threading.enumerate() if t not in before]  # this handler's (the pool's start when used)
-    assert {t.name.split("_")[0] for t in helpers} == {"dlrm-delta-watcher", "dlrm-split"}, helpers
+    assert {t.name.split("_")[0] for t in helpers} == {"dlrm-delta-watcher", "dlrm-split", "dlrm-metrics"}, helpers
     h.close()
     assert [t.name for t in helpers if t.is_alive()] == []
     assert writer.poll() is not None  # killed and reaped

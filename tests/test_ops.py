@@ -3,6 +3,7 @@ model-config timeouts, and the readiness and rollout scripts' own logic."""
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import re
@@ -91,6 +92,7 @@ def test_every_metric_the_handler_sends_is_declared_with_its_dimensions(modulo_h
     cache.set_request_ids(ctx.request_ids)
     with caplog.at_level(logging.INFO):
         modulo_handler.handle([{"body": b} for b in batch], ctx)
+        modulo_handler.tally.flush()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[METRICS]")]
     assert not [line for line in lines if "Failed" in line], lines
     emitted = {}
@@ -115,6 +117,73 @@ def test_every_metric_the_handler_sends_is_declared_with_its_dimensions(modulo_h
     # with modulo, the out-of-range id of mixed_batch() is folded too: 5 rows, 2 ids remapped
     assert emitted["dlrm_requests_total"] == [6] and emitted["dlrm_instances_total"] == [5]
     assert emitted["dlrm_remapped_ids_total"] == [2] and emitted["dlrm_rejected_requests_total"] == [1, 1]
+
+
+def handler_with(tmp_path, archived, monkeypatch, seconds: str):
+    from dlrm_handler import TorchRecDLRMHandler
+
+    monkeypatch.setenv("DLRM_METRICS_SECONDS", seconds)
+    (tmp_path / "dlrm.pt").symlink_to(archived)
+    h = TorchRecDLRMHandler()
+    h.initialize(FakeContext(tmp_path, dict(TINY)))
+    return h
+
+
+def test_the_handlers_metrics_go_out_summed_not_once_a_batch(tmp_path, archived, monkeypatch):
+    """Every metric line costs TorchServe's frontend a read, a match and a log line: the handler
+    sums a batch's counters with the batches before and emits them every DLRM_METRICS_SECONDS
+    (here 60, so nothing goes out until close); the totals are what per-batch emission gives."""
+    h = handler_with(tmp_path, archived, monkeypatch, "60")
+    ctx = FakeContext(Path("."), dict(TINY))
+    batches = [mixed_batch(), [body(instance(DENSE))], [b"{"]]
+    for batch in batches:
+        h.handle([{"body": b} for b in batch], ctx)
+    assert ctx.metrics.recorded == []  # none yet: one line each after 3 batches, not 3
+    h.close()
+    m = ctx.metrics
+    lines = collections.Counter(n for n, _, _ in m.recorded)
+    assert lines.pop("dlrm_rejected_requests_total") == 2  # one per ErrorType
+    assert set(lines.values()) == {1}, lines  # one line per metric
+    assert m.total("dlrm_batches_total") == 3
+    assert m.total("dlrm_requests_total") == 7
+    assert m.total("dlrm_instances_total") == 4
+    assert m.total("dlrm_rejected_requests_total", ErrorType="BadRequest") == 3
+    assert m.total("dlrm_rejected_requests_total", ErrorType="PayloadTooLarge") == 1
+    handler_time = [v for n, v, _ in m.recorded if n == "HandlerTime"]
+    phases = sum(v for n, v, _ in m.recorded if n in PHASES)
+    assert len(handler_time) == 1 and phases > handler_time[0]  # a gauge: the last batch's, the phases: all 3
+
+
+def test_with_zero_seconds_every_batch_emits_its_own_metrics_and_the_receipt_line(tmp_path, archived, monkeypatch):
+    from dlrm_handler import RECEIPT
+
+    h = handler_with(tmp_path, archived, monkeypatch, "0")
+    try:
+        ctx = FakeContext(Path("."), dict(TINY))
+        for _ in range(2):
+            h.handle([{"body": body(instance(DENSE))}], ctx)
+        assert [v for n, v, _ in ctx.metrics.recorded if n == "dlrm_batches_total"] == [1, 1]
+        assert logging.getLogger().filter(logging.makeLogRecord({"msg": RECEIPT, "args": (1,)}))
+    finally:
+        h.close()
+
+
+def test_the_workers_receipt_line_is_dropped_and_only_it(handler):
+    """TorchServe's worker logs a line per batch that says only the time (on the root logger); the
+    frontend matches it against two patterns and logs it again. Dropped once the handler is up."""
+    from dlrm_handler import RECEIPT
+
+    root = logging.getLogger()
+    assert not root.filter(logging.makeLogRecord({"msg": RECEIPT, "args": (1796643641,)}))
+    assert root.filter(logging.makeLogRecord({"msg": "Backend worker process died.", "args": ()}))
+
+
+@pytest.mark.parametrize("raw", ["-1", "soon", "61", "nan"])
+def test_a_bad_metrics_interval_fails_the_worker_naming_the_variable(tmp_path, archived, monkeypatch, raw):
+    from dlrmkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"DLRM_METRICS_SECONDS='{raw}': expected seconds from 0"):
+        handler_with(tmp_path, archived, monkeypatch, raw)
 
 
 def test_client_request_id_is_echoed_and_rejections_are_logged_without_headers(handler, caplog):

@@ -79,6 +79,23 @@ def test_custom_metrics_appear_in_prometheus_text(server):
     assert b"ts_inference_requests_total" in text and b"# TYPE dlrm_batches_total counter" in text
 
 
+def test_a_run_of_batches_costs_the_frontend_a_few_metric_lines_not_eight_a_batch(server):
+    """TorchServe's frontend reads every line a worker writes, matches it and logs it again: the
+    handler sums its metrics and emits them every 0.25 s (DLRM_METRICS_SECONDS), so 60 batches
+    in a row are a few lines each, not one a batch; the worker's receipt line is gone; the
+    totals are exact."""
+    ts_log, model_log = server.log_dir / "ts_log.log", server.log_dir / "model_log.log"
+    before = settled(server)
+    lines_before = ts_log.read_text().count("[METRICS]dlrm_batches_total")
+    n = 60
+    assert [predict(server, GOOD)[0] for _ in range(n)] == [200] * n  # one at a time: one batch each
+    delta = wait_for(server, {"dlrm_batches_total": n, "dlrm_requests_total": n, "dlrm_instances_total": n}, before)
+    assert (delta["dlrm_batches_total"], delta["dlrm_requests_total"], delta["dlrm_instances_total"]) == (n, n, n)
+    lines = ts_log.read_text().count("[METRICS]dlrm_batches_total") - lines_before
+    assert 1 <= lines <= n // 3, f"{lines} dlrm_batches_total lines for {n} batches"
+    assert "Backend received inference at" not in model_log.read_text()
+
+
 def test_rejections_are_logged_with_both_request_ids_and_client_ids_are_echoed(server):
     status, answer, headers = predict(server, b"{", headers={"X-Request-Id": "trace-7f3a"})
     assert status == 400 and headers["x-client-request-id"] == "trace-7f3a"
