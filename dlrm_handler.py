@@ -203,7 +203,12 @@ class TorchRecDLRMHandler(Worker, BaseHandler, ABC):
 
 
 def _record_metrics(
-    tally: Tally, n_requests: int, batches: list[tuple[Batch, list[int]]], errors: dict, t: list[float], clipped: int = 0
+    tally: Tally,
+    n_requests: int,
+    batches: list[tuple[Batch, list[int]]],
+    errors: dict,
+    t: list[float],
+    clipped: int = 0,
 ) -> None:
     """One batch's counters, into the tally (emitted by ``TorchRecDLRMHandler._emit``). Each is
     declared in metrics.yaml with exactly these dimensions (TorchServe appends ModelName and Level)

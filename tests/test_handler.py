@@ -285,7 +285,9 @@ def lifecycle_section(tmp_path: Path) -> dict:
     return {**TINY, "split_rows": 2, "torch_threads": 1, "delta_dir": str(tmp_path / "deltas"), "delta_poll_s": 0.05}
 
 
-def test_close_stops_the_split_pool_the_live_watcher_its_writer_process_and_the_metrics(tmp_path, archived, monkeypatch):
+def test_close_stops_the_split_pool_the_live_watcher_its_writer_process_and_the_metrics(
+    tmp_path, archived, monkeypatch
+):
     from dlrm_handler import TorchRecDLRMHandler
     from dlrmkit import worker
 
