@@ -76,11 +76,7 @@ class TorchRecDLRMHandler(Worker, BaseHandler, ABC):
     def initialize(self, context):
         self.manifest = context.manifest
         metrics = getattr(context, "metrics", None)
-        seconds = _metrics_seconds(os.environ.get(METRICS_SECONDS_ENV))
-        self.sink = metrics  # the metrics object of the latest batch's context: where the tally emits
-        self.tally = Tally(self._emit, seconds)
-        # the worker's own module logs the receipt line on the root logger (one handler per process)
-        (logging.getLogger().addFilter if seconds else logging.getLogger().removeFilter)(_no_receipt)
+        seconds = _metrics_seconds(os.environ.get(METRICS_SECONDS_ENV))  # a bad value fails before the load
         self.load(
             context.system_properties.get("model_dir") or ".",
             self.manifest,
@@ -88,6 +84,10 @@ class TorchRecDLRMHandler(Worker, BaseHandler, ABC):
             context.system_properties.get("gpu_id"),
             functools.partial(_live_metric, metrics) if metrics is not None else None,
         )
+        self.sink = metrics  # the metrics object of the latest batch's context: where the tally emits
+        self.tally = Tally(self._emit, seconds)  # after the load: a worker that fails to load starts no thread
+        # the worker's own module logs the receipt line on the root logger (one handler per process)
+        (logging.getLogger().addFilter if seconds else logging.getLogger().removeFilter)(_no_receipt)
         atexit.register(self.close)  # the worker's own exit (its frontend's socket closed: sys.exit(0)); see close
         self.initialized = True
 
