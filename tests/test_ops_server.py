@@ -86,6 +86,7 @@ def test_a_run_of_batches_costs_the_frontend_a_few_metric_lines_not_eight_a_batc
     totals are exact."""
     ts_log, model_log = server.log_dir / "ts_log.log", server.log_dir / "model_log.log"
     before = settled(server)
+
     def emissions() -> set[str]:  # the frontend logs each line it reads twice (INFO and DEBUG): distinct ones
         return {line for line in ts_log.read_text().splitlines() if "[METRICS]dlrm_batches_total" in line}
 
