@@ -304,6 +304,44 @@ def test_target_cpu_takes_the_highest_rate_with_cpu_figures():
     assert server_scenario.target_cpu({**row, "runs": runs[2:]}) == ({}, None)
 
 
+def test_dlrmv2_without_amx_is_judged_by_its_rate_and_the_compute_floor():
+    runs = [
+        {"target_qps": 5.0, "ok": False, "frontend_cpu_us_per_query": 4000, "workers_cpu_us_per_query": 31000}
+        | {"client_cpu_us_per_query": 3000},
+        {"target_qps": 2.5, "ok": True},
+    ]
+    row = {
+        "runs": runs,
+        "valid_qps": 2.5,
+        "cpus": 2,
+        "pairs_mean": 270.0,
+        "host_rows_per_s": 20_000,
+        "stock_rows_per_s": 5_000,
+        "target": {"anchor": "stock", "bound": 2.5, "ratio": 0.1, "met": False},
+        "profile": [{**LARGEST, "client_ms": 47.0}],
+    }
+    server_scenario.judge(row, "dlrmv2", "avx512_bf16,avx512_vnni,avx512f,avx2")
+    assert row["rate_target"] == {"qps": 5.0, "met": False}
+    # the largest query alone: 47 ms against its 700 pairs' 35 ms at the raw forward
+    assert row["floor"] == [{"qps": 5.0, "p99_ms": 40.5, "over_ms": 12.0, "p99_with_over_ms": 74.2}]
+    assert row["busy_at_target"] == round(0.038 * 5.0 / 2, 3)  # the rate target's CPU, not the AMX target's
+    assert row["next_lever"].startswith("the server's time over the compute floor: the 700-pair query alone took 12 ms")
+    text = "\n".join(server_scenario.target_lines([{**row, "config": "model-config.dlrmv2.yaml", "variant": "int8"}]))
+    assert "Target (model-config.dlrmv2.yaml, int8, a host without AMX): VALID at >= 5 q/s" in text
+    assert "missed (highest VALID rate 2.5); the compute floor allows it (p99 40.5 ms at 5 q/s" in text
+    assert "(the target of a host with AMX; this one has none: the rate target below)." in text
+
+    amx = {k: v for k, v in row.items() if k not in ("rate_target", "floor", "next_lever")}
+    server_scenario.judge(amx, "dlrmv2", "amx_int8,amx_bf16,avx512_bf16,avx512_vnni,avx512f,avx2")
+    assert "rate_target" not in amx and [f["qps"] for f in amx["floor"]] == [5.0]  # the lowest INVALID rate
+    assert amx["busy_at_target"] == round(0.038 * (2.5 * 5_000 / 270) / 2, 3)
+    assert not amx["next_lever"].startswith("the server's time over")
+    server_scenario.judge(met := {**amx, "valid_qps": 5.0, "runs": runs[:1]}, "dlrmv2", "avx512f")
+    assert met["rate_target"]["met"] and met["floor"][0]["qps"] == 5.0  # the target's rate only
+    server_scenario.judge(crit := {**amx, "target": {**amx["target"], "met": True}}, "criteo", "avx512f")
+    assert "rate_target" not in crit and "next_lever" not in crit
+
+
 def test_a_run_undecided_by_early_stopping_alone_runs_again_with_the_queries_loadgen_asks_for():
     summary = (
         "Result is : INVALID\n  Performance constraints satisfied : Yes\n  Early stopping satisfied: NO\n"
@@ -646,10 +684,16 @@ def test_server_scenario_under_loadgen_against_a_real_torchserve(tmp_path):
     assert all(r["frontend_jit_cpu_us_per_query"] >= 0 for r in row["runs"])
     md = (out / "server-scenario.md").read_text()
     assert md.count("| model-config.dlrmv2.yaml | b8 split 300 |") == 3  # the result and the profile's two queries
-    assert ("Next lever (model-config.dlrmv2.yaml, b8 split 300): " in md) == (not row["target"]["met"])
+    judged = row.get("rate_target", row["target"])  # a host without AMX: the rate target (issue 45)
+    assert ("Next lever (model-config.dlrmv2.yaml, b8 split 300): " in md) == (not judged["met"])
     verdict = "met" if row["target"]["met"] else "missed"
     target = "Target (model-config.dlrmv2.yaml, b8 split 300): pairs/s >= 2.5 x stock torchrec's fp32 forward"
-    assert f"{target}: {row['target']['ratio']}, {verdict}." in md
+    assert f"{target}: {row['target']['ratio']}, {verdict}" in md
+    from dlrmkit.dense import isa_summary
+
+    assert ("rate_target" in row) == ("amx" not in isa_summary())
+    assert bool(row["floor"]) == ("rate_target" in row or any(not r["ok"] for r in row["runs"]))
+    assert ("Compute floor (model-config.dlrmv2.yaml, b8 split 300; a model" in md) == bool(row["floor"])
     assert (out / "server-scenario.png").stat().st_size > 0
     # the report again from the run's JSON alone: the same lines
     again = tmp_path / "again"
