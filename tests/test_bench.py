@@ -323,7 +323,9 @@ def test_dlrmv2_without_amx_is_judged_by_its_rate_and_the_compute_floor():
     server_scenario.judge(row, "dlrmv2", "avx512_bf16,avx512_vnni,avx512f,avx2")
     assert row["rate_target"] == {"qps": 5.0, "met": False}
     # the largest query alone: 47 ms against its 700 pairs' 35 ms at the raw forward
-    assert row["floor"] == [{"qps": 5.0, "p99_ms": 40.5, "over_ms": 12.0, "p99_with_over_ms": 74.2}]
+    assert row["floor"] == [
+        {"qps": 5.0, "p99_ms": 40.5, "over_ms": 12.0, "busy_with_over": 0.13, "p99_with_over_ms": 74.2}
+    ]
     assert row["busy_at_target"] == round(0.038 * 5.0 / 2, 3)  # the rate target's CPU, not the AMX target's
     assert row["next_lever"].startswith("the server's time over the compute floor: the 700-pair query alone took 12 ms")
     text = "\n".join(server_scenario.target_lines([{**row, "config": "model-config.dlrmv2.yaml", "variant": "int8"}]))
