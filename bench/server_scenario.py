@@ -102,8 +102,7 @@ def measure(cfg_path: Path, variant: str, items: dict, tmp: Path, args) -> dict:
         if stock_before:
             log(f"{tag}: stock torchrec fp32 forward at B={HOST_BATCH}: {stock_before['rows_per_s']:,} rows/s")
         # a rate target (DLRMv2 without AMX) is where the search starts: its own run decides it
-        target_rate = RATE_TARGETS.get(key) if "amx" not in isa_summary() else None
-        start = args.start_qps or target_rate or 0.3 * before["rows_per_s"] / mean_pairs
+        start = args.start_qps or rate_target(key, isa_summary()) or 0.3 * before["rows_per_s"] / mean_pairs
         probe = mlperf.probe(cfg)
         with serving(tmp / f"home-{name}", tmp / "store", {name: probe}, env) as srv:
             url = srv.url + mlperf.path(form, name)
@@ -544,7 +543,7 @@ def floor_said(row: dict, qps: float) -> str:
     >>> print(floor_said({"floor": [{"qps": 5.0, "p99_ms": 71.0}]}, 5.0))
     the compute floor forbids it (p99 71 ms at 5 q/s over the 60 ms bound).
     """
-    f = next((f for f in row.get("floor") or [] if f["qps"] == qps), None)
+    f = floor_at(row, qps)
     if f is None:
         return "the compute floor not computed (no raw forward measured)."
     if f["p99_ms"] > mlperf.P99_BOUND_MS:
@@ -654,18 +653,32 @@ def floor_ms(q: dict, row: dict) -> float:
     return round(q["pairs"] / row["host_rows_per_s"] * 1000, 2)
 
 
+def rate_target(key: str, isa: str) -> float | None:
+    """The queries/s config ``key`` must pass on a host whose ``isa`` has no AMX (RATE_TARGETS), else None.
+
+    >>> rate_target("dlrmv2", "avx512_vnni,avx512f"), rate_target("dlrmv2", "amx_int8,avx512f"), rate_target("criteo", "avx2")
+    (5.0, None, None)
+    """
+    return RATE_TARGETS.get(key) if "amx" not in isa else None
+
+
+def floor_at(row: dict, qps: float) -> dict | None:
+    """``row``'s compute floor at ``qps`` (floor_rates), or None where it was not computed."""
+    return next((f for f in row.get("floor") or [] if f["qps"] == qps), None)
+
+
 def judge(row: dict, key: str, isa: str) -> None:
-    """``row``'s rate target (RATE_TARGETS' on a host whose ``isa`` has no AMX), its compute floor
-    (floor_rates), the CPU at the target (target_cpu) and a missed target's next lever, from what
-    the row measured: a run's report read back gets them too."""
-    if key in RATE_TARGETS and "amx" not in isa:
-        row["rate_target"] = {"qps": RATE_TARGETS[key], "met": (row["valid_qps"] or 0) >= RATE_TARGETS[key]}
+    """``row``'s rate target (rate_target), its compute floor (floor_rates), the CPU at the target
+    (target_cpu) and a missed target's next lever, from what the row measured: a run's report read
+    back gets them too."""
+    if (qps := rate_target(key, isa)) is not None:
+        row["rate_target"] = {"qps": qps, "met": (row["valid_qps"] or 0) >= qps}
     row["floor"] = floor_rates(row)
     row["cpu_ms_per_query"], row["busy_at_target"] = target_cpu(row)
     row.pop("next_lever", None)
     if row.get("profile") and not row.get("rate_target", row.get("target", {})).get("met", True):
         row["next_lever"] = next_lever(row["profile"][0], row["cpu_ms_per_query"], row["busy_at_target"])
-        at = next((f for f in row["floor"] if row.get("rate_target") and f["qps"] == row["rate_target"]["qps"]), None)
+        at = floor_at(row, row["rate_target"]["qps"]) if row.get("rate_target") else None
         if at and at["p99_ms"] <= mlperf.P99_BOUND_MS < (at["p99_with_over_ms"] or float("inf")):
             row["next_lever"] = (
                 f"the server's time over the compute floor: the {row['profile'][0]['pairs']}-pair query alone took "
