@@ -29,13 +29,14 @@ from typing import Any
 
 from ts.metrics.dimension import Dimension
 from ts.metrics.metric_type_enum import MetricTypes
+from ts.service import PREDICTION_METRIC
 from ts.torch_handler.base_handler import BaseHandler
 from ts.utils.util import PredictionException
 
 from dlrmkit.batch import Batch, RequestBatch
 from dlrmkit.errors import ConfigError, RequestError, ServerError
 from dlrmkit.protocols import BINARY_HEADER, open_request
-from dlrmkit.tally import GAUGE, Tally
+from dlrmkit.tally import GAUGE, Tally, TalliedGauges
 from dlrmkit.worker import DELTA_HEADER, Worker, form_post
 
 logger = logging.getLogger(__name__)
@@ -59,8 +60,9 @@ CONTENT_TYPE = ("Content-Type", "content-type", "Content-type", "CONTENT-TYPE")
 # TorchServe's metrics are lines on the worker's stdout that its frontend reads back, matches and
 # logs again: eight a batch (seven of them the handler's), plus the worker's receipt line. Under
 # MLPerf's Server scenario that reading was 30% of the frontend's sampled CPU, so the handler's
-# metrics are summed and emitted every METRICS_SECONDS (docs/operations.md#metrics) and the receipt
-# line, which says only the time, is dropped. 0: both per batch, as TorchServe's own handlers.
+# metrics are summed and emitted every METRICS_SECONDS (docs/operations.md#metrics), TorchServe's
+# own PredictionTime with them, and the receipt line, which says only the time, is dropped. 0: all
+# per batch, as TorchServe's own handlers.
 METRICS_SECONDS_ENV, METRICS_SECONDS = "DLRM_METRICS_SECONDS", 0.25
 RECEIPT = "Backend received inference at: %d"  # ts/protocol/otf_message_handler.py, per batch
 
@@ -86,6 +88,9 @@ class TorchRecDLRMHandler(Worker, BaseHandler, ABC):
         )
         self.sink = metrics  # the metrics object of the latest batch's context: where the tally emits
         self.tally = Tally(self._emit, seconds)  # after the load: a worker that fails to load starts no thread
+        if metrics is not None and seconds:
+            # TorchServe's service records PredictionTime after every batch, on the context's metrics
+            context.metrics = TalliedGauges(metrics, self.tally, (PREDICTION_METRIC,))
         # the worker's own module logs the receipt line on the root logger (one handler per process)
         (logging.getLogger().addFilter if seconds else logging.getLogger().removeFilter)(_no_receipt)
         atexit.register(self.close)  # the worker's own exit (its frontend's socket closed: sys.exit(0)); see close
@@ -112,7 +117,8 @@ class TorchRecDLRMHandler(Worker, BaseHandler, ABC):
     def handle(self, data, context):
         """One TorchServe batch in, exactly one response per request out, in order."""
         t = [time.perf_counter()]
-        self.sink = context.metrics
+        metrics = context.metrics
+        self.sink = metrics.inner if isinstance(metrics, TalliedGauges) else metrics
         work = self.preprocess(data, context)
         t.append(time.perf_counter())
         # The whole batch scored under one delta sequence: never between a delta's rows (dlrmkit/live/)

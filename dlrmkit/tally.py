@@ -18,6 +18,10 @@ scrape would have sampled anyway. ``seconds=0`` emits on the serving thread at o
 >>> t.close()  # what is pending goes out
 >>> lines[1:]
 [('dlrm_requests_total', 5, 'count', 'counter', ()), ('HandlerTime', 1.25, 'ms', 'gauge', ())]
+
+A gauge the server itself records per batch (TorchServe's ``PredictionTime``, after the handler
+returns) goes the same way through ``TalliedGauges``, which the door puts where the server looks
+for its metrics object.
 """
 
 from __future__ import annotations
@@ -75,3 +79,40 @@ class Tally:
         if self._thread is not None:
             self._thread.join()
         self.flush()
+
+
+class TalliedGauges:
+    """A metrics object (TorchServe's metrics API: ``add_time(name, value, idx, unit, dimensions)``)
+    whose ``add_time`` of one of ``names``, for no single request and with no dimensions of its own,
+    goes into ``tally`` as a gauge; every other call and attribute, set or read, is ``inner``'s.
+
+    >>> class Sink:
+    ...     def __init__(self): self.lines = []
+    ...     def add_time(self, name, value, idx=None, unit="ms", dimensions=None): self.lines.append((name, value))
+    >>> sink, lines = Sink(), []
+    >>> tally = Tally(lambda *metric: lines.append(metric), seconds=60)
+    >>> metrics = TalliedGauges(sink, tally, ("PredictionTime",))
+    >>> metrics.add_time("PredictionTime", 3.5); metrics.add_time("PredictionTime", 2.0)
+    >>> metrics.add_time("Other", 1.0); metrics.request_ids = {0: "a"}
+    >>> sink.lines, sink.request_ids, metrics.inner is sink
+    ([('Other', 1.0)], {0: 'a'}, True)
+    >>> tally.close(); lines
+    [('PredictionTime', 2.0, 'ms', 'gauge', ())]
+    """
+
+    def __init__(self, inner, tally: Tally, names: tuple[str, ...]):
+        object.__setattr__(self, "inner", inner)
+        object.__setattr__(self, "_tally", tally)
+        object.__setattr__(self, "_names", frozenset(names))
+
+    def add_time(self, name: str, value: float, idx=None, unit: str = "ms", dimensions=None, *rest, **kw) -> None:
+        if name in self._names and idx is None and not dimensions and not rest and not kw:
+            self._tally.add(name, value, unit, GAUGE)
+        else:
+            self.inner.add_time(name, value, idx, unit, [] if dimensions is None else dimensions, *rest, **kw)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self.inner, name, value)

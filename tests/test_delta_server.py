@@ -20,7 +20,10 @@ import torch
 import yaml
 
 from conftest import TINY
-from dlrmkit.live import delta_path, write_delta
+from dlrmkit.batch import collate, scores
+from dlrmkit.config import DLRMConfig
+from dlrmkit.forms import RequestParser
+from dlrmkit.live import BASE_FILE, DeltaApplier, delta_path, target_for, write_delta
 from dlrmkit.model import DLRMFactory
 from helpers import DENSE, instance, wait_until
 from scripts.tsctl import Server, get, post
@@ -37,15 +40,11 @@ class DeltaReferences:
     following the same delta directory, and its scores for ``requests`` (bodies) at every sequence
     it applied. A served answer is untorn when it equals one of them (``sequences``)."""
 
-    def __init__(self, mar: Path, handler: dict, directory: Path, requests: list[bytes], tol: float = 1e-5):
-        import tempfile
-        import zipfile
-
-        from dlrmkit.config import DLRMConfig
-        from dlrmkit.live import BASE_FILE, DeltaApplier, target_for
-        from dlrmkit.forms import RequestParser
-
-        self.tmp = Path(tempfile.mkdtemp(prefix="delta-ref-"))
+    def __init__(
+        self, mar: Path, handler: dict, directory: Path, requests: list[bytes], workdir: Path, tol: float = 1e-5
+    ):
+        self.tmp = workdir  # the archive's weights are unpacked here
+        self.tmp.mkdir(parents=True, exist_ok=True)
         with zipfile.ZipFile(mar) as z:
             z.extract("dlrm.pt", self.tmp)
             base = z.read(BASE_FILE).decode().strip()
@@ -65,8 +64,6 @@ class DeltaReferences:
         return self.applier.applied
 
     def _score(self) -> list[list[float]]:
-        from dlrmkit.batch import collate, scores
-
         batch, bad = collate([self.parser.parse(r) for r in self.requests], self.config)
         assert not bad
         return scores(self.applier.model, batch, self.config)
@@ -131,7 +128,7 @@ def start(tmp, workers: int, dtype: str, handler_file: str | None = None):
     srv.start()
     srv.wait_ready("dlrm", REQUESTS[0], timeout=240)
     srv.wait_workers_ready("dlrm", workers, timeout=240)
-    return srv, DeltaReferences(mar, handler, tmp / "deltas", REQUESTS), base
+    return srv, DeltaReferences(mar, handler, tmp / "deltas", REQUESTS, tmp / "reference"), base
 
 
 @pytest.fixture(scope="module")

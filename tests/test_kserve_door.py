@@ -550,7 +550,9 @@ def workers(tmp_path_factory):
     with zipfile.ZipFile(mar) as z:
         z.extractall(model)
         base = z.read("delta-base.txt").decode().strip()
-    refs = DeltaReferences(mar, handler, tmp / "deltas", [*REQUESTS, json.dumps({"instances": ROWS}).encode()])
+    refs = DeltaReferences(
+        mar, handler, tmp / "deltas", [*REQUESTS, json.dumps({"instances": ROWS}).encode()], tmp / "reference"
+    )
     srv = start_door(tmp, model, "--workers", "2", "--request-log")
     try:
         # each REST process loads its own model (503 until then): wait for the three "serves" lines

@@ -154,6 +154,32 @@ def test_the_handlers_metrics_go_out_summed_not_once_a_batch(tmp_path, archived,
     assert len(handler_time) == 1 and phases > handler_time[0]  # a gauge: the last batch's, the phases: all 3
 
 
+def test_torchserves_own_prediction_time_goes_out_with_the_handlers_sums(tmp_path, archived, monkeypatch):
+    """TorchServe's service records PredictionTime on the context's metrics after every batch, a
+    line each: the handler puts its tally there, so it goes out with the handler's sums (the last
+    batch's, a gauge); any other metric, and PredictionTime with dimensions, passes at once."""
+    from ts.service import PREDICTION_METRIC
+
+    ctx = FakeContext(tmp_path, dict(TINY))
+    monkeypatch.setenv("DLRM_METRICS_SECONDS", "60")
+    (tmp_path / "dlrm.pt").symlink_to(archived)
+    from dlrm_handler import TorchRecDLRMHandler
+
+    h, sink = TorchRecDLRMHandler(), ctx.metrics
+    h.initialize(ctx)
+    try:
+        for ms in (4.5, 1.25):  # as ts/service.py's Service.predict does after each batch
+            h.handle([{"body": body(instance(DENSE))}], ctx)
+            ctx.metrics.request_ids = {0: "req"}
+            ctx.metrics.add_time(PREDICTION_METRIC, ms)
+        ctx.metrics.add_time("WorkerLoadTime", 7.0)
+        assert sink.recorded == [("WorkerLoadTime", 7.0, "ms")] and sink.request_ids == {0: "req"}
+    finally:
+        h.close()
+    assert [(n, v) for n, v, _ in sink.recorded if n == PREDICTION_METRIC] == [(PREDICTION_METRIC, 1.25)]
+    assert sink.total("dlrm_batches_total") == 2
+
+
 def test_with_zero_seconds_every_batch_emits_its_own_metrics_and_the_receipt_line(tmp_path, archived, monkeypatch):
     from dlrm_handler import RECEIPT
 
@@ -163,6 +189,7 @@ def test_with_zero_seconds_every_batch_emits_its_own_metrics_and_the_receipt_lin
         for _ in range(2):
             h.handle([{"body": body(instance(DENSE))}], ctx)
         assert [v for n, v, _ in ctx.metrics.recorded if n == "dlrm_batches_total"] == [1, 1]
+        assert type(h.sink).__name__ == "FakeMetrics"  # TorchServe's PredictionTime per batch too: not wrapped
         assert logging.getLogger().filter(logging.makeLogRecord({"msg": RECEIPT, "args": (1,)}))
     finally:
         h.close()

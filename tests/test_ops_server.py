@@ -82,15 +82,16 @@ def test_custom_metrics_appear_in_prometheus_text(server):
 def test_a_run_of_batches_costs_the_frontend_a_few_metric_lines_not_eight_a_batch(server):
     """TorchServe's frontend reads every line a worker writes, matches it and logs it again: the
     handler sums its metrics and emits them every 0.25 s (DLRM_METRICS_SECONDS), so 60 batches
-    in a row are a few lines each, not one a batch; the worker's receipt line is gone; the
-    totals are exact."""
+    in a row are a few lines each, not one a batch, TorchServe's PredictionTime too; the worker's
+    receipt line is gone; the totals are exact."""
     ts_log, model_log = server.log_dir / "ts_log.log", server.log_dir / "model_log.log"
     before = settled(server)
 
-    def emissions() -> set[str]:  # the frontend logs each line it reads twice (INFO and DEBUG): distinct ones
-        return {line for line in ts_log.read_text().splitlines() if "[METRICS]dlrm_batches_total" in line}
+    def emissions(metric: str = "dlrm_batches_total") -> set[str]:
+        # the frontend logs each line it reads twice (INFO and DEBUG): distinct ones
+        return {line for line in ts_log.read_text().splitlines() if f"[METRICS]{metric}." in line}
 
-    earlier = emissions()
+    earlier, predictions = emissions(), emissions("PredictionTime")
     n, started = 60, time.monotonic()
     assert [predict(server, GOOD)[0] for _ in range(n)] == [200] * n  # one at a time: one batch each
     delta = wait_for(server, {"dlrm_batches_total": n, "dlrm_requests_total": n, "dlrm_instances_total": n}, before)
@@ -99,6 +100,12 @@ def test_a_run_of_batches_costs_the_frontend_a_few_metric_lines_not_eight_a_batc
     # at most one emission per worker every 0.25 s over the run, however slow the machine; per batch: n
     most = len(server.worker_pids("dlrm")) * ((time.monotonic() - started) / 0.25 + 1)
     assert 1 <= lines < n and lines <= most, f"{lines} dlrm_batches_total lines for {n} batches (at most {most:.0f})"
+    # TorchServe's own per-batch gauge goes out with them (distinct lines: each names its request)
+    lines = len(emissions("PredictionTime") - predictions)
+    assert 1 <= lines < n and lines <= most, f"{lines} PredictionTime lines for {n} batches (at most {most:.0f})"
+    status, text, _ = get(f"{server.metrics_url}/metrics")
+    gauge = [ln for ln in text.splitlines() if ln.startswith(b'PredictionTime{ModelName="dlrm",Level="Model"')]
+    assert status == 200 and len(gauge) == 1 and float(gauge[0].rsplit(b" ", 1)[1]) > 0, gauge
     assert "Backend received inference at" not in model_log.read_text()
 
 
