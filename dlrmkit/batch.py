@@ -15,6 +15,7 @@ b1 = {f0: [5]}, lengths are [2, 1 | 1, 0] and values [3, 4, 5 | 7].
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import itertools
 from concurrent.futures import Executor, wait
@@ -26,6 +27,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dlrmkit.config import DLRMConfig
+from dlrmkit.cpus import PartsPool
 from dlrmkit.errors import BadRequest, RequestError
 from dlrmkit.request import ParsedRequest
 
@@ -249,14 +251,16 @@ def scores(
     if pool is None or len(spans := row_spans(batch.dense.shape[0], config.threads.split_rows, parts)) == 1:
         logits = _logits(model, batch.dense, batch.sparse, config)
     else:
-        later = [
-            pool.submit(_logits, model, batch.dense[a:b], rows_of(batch.sparse, a, b), config) for a, b in spans[1:]
-        ]
-        try:
-            (a, b) = spans[0]
-            first = _logits(model, batch.dense[a:b], rows_of(batch.sparse, a, b), config)
-        finally:  # never leave a part running on the model after this batch is answered
-            wait(later)
+        # a PartsPool holds this thread on its CPU and runs the other parts on the others
+        with pool.apart() if isinstance(pool, PartsPool) else contextlib.nullcontext():
+            later = [
+                pool.submit(_logits, model, batch.dense[a:b], rows_of(batch.sparse, a, b), config) for a, b in spans[1:]
+            ]
+            try:
+                (a, b) = spans[0]
+                first = _logits(model, batch.dense[a:b], rows_of(batch.sparse, a, b), config)
+            finally:  # never leave a part running on the model after this batch is answered
+                wait(later)
         logits = torch.cat([first, *(f.result() for f in later)])
     flat = logits.tolist()
     out, start = [], 0

@@ -8,13 +8,18 @@ quota of 1.5 CPUs runs 2 threads, each throttled.
 
 The rule (measured in results/cpu-rule.md, docs/performance.md): one single-threaded worker per
 CPU. Imports nothing heavy: TorchServe's launcher (scripts/tsctl.py), the sizing scripts and the
-handler all read it.
+handler all read it. ``PartsPool``: the threads one forward's parts run on, each on a CPU of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import math
 import os
+import threading
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
@@ -129,3 +134,81 @@ def split_parts(threads: int, cpus: int | None = None) -> int:
     (2, 1, 1)
     """
     return max(1, (cpus or available_cpus()) // max(1, threads))
+
+
+try:
+    _LIBC = ctypes.CDLL(None, use_errno=True)
+except OSError:  # no C library to ask: this_cpu says None
+    _LIBC = None
+
+
+def this_cpu() -> int | None:
+    """The CPU the calling thread runs on now (the C library's ``sched_getcpu``; Python's ``os``
+    has none), or None where it cannot say."""
+    try:
+        cpu = _LIBC.sched_getcpu()
+    except (AttributeError, OSError):
+        return None
+    return cpu if cpu >= 0 else None
+
+
+class PartsPool(ThreadPoolExecutor):
+    """The threads a forward's later parts run on (``handler.split_rows``), while the calling
+    thread runs the first: inside ``apart()`` the caller stays on the CPU it runs on and every task
+    it submits runs on the pool's other CPUs (``cpus``: the worker's affinity by default).
+
+    Left to the scheduler, a part's thread woken after the worker had idled was put on the
+    caller's own CPU (Linux wakes a thread near its waker) and the two parts shared one CPU until
+    the load balancer parted them: two halves of a 672-row DLRMv2 forward took 53-61 ms after
+    0.2 s idle against 36-37 back to back; held apart, 38-39 (AMD EPYC, 2 vCPUs; by hand,
+    docs/performance.md#both-cores-for-a-large-query). Only for single-threaded parts: a part
+    with its own OpenMP team would start that team on the one CPU it was held to.
+
+    >>> pool = PartsPool(1, cpus={0})   # one CPU: nothing to hold apart, tasks run as submitted
+    >>> with pool.apart(): pool.submit(sum, [1, 2]).result()
+    3
+    >>> pool.shutdown()
+    """
+
+    def __init__(
+        self, threads: int, name: str = "dlrm-split", initializer=None, initargs=(), cpus: Iterable[int] | None = None
+    ):
+        super().__init__(threads, name, initializer, initargs)
+        self.cpus = frozenset(os.sched_getaffinity(0) if cpus is None else cpus)
+        self._local = threading.local()  # per calling thread: the CPUs its tasks go to while apart
+
+    @contextlib.contextmanager
+    def apart(self) -> Iterator[None]:
+        """The calling thread held on its CPU and its tasks sent to the others, until the block ends
+        (then the caller may run on all ``cpus`` again). Does nothing on one CPU or where the
+        scheduler refuses (a sandbox without ``sched_setaffinity``)."""
+        here = this_cpu()
+        others = self.cpus - {here}
+        if here is None or here not in self.cpus or not others:
+            yield
+            return
+        try:
+            os.sched_setaffinity(0, {here})
+        except OSError:
+            yield
+            return
+        self._local.others = others
+        try:
+            yield
+        finally:
+            self._local.others = None
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, self.cpus)
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        others = getattr(self._local, "others", None)
+        if others is None:
+            return super().submit(fn, *args, **kwargs)
+        return super().submit(_on, others, fn, *args, **kwargs)
+
+
+def _on(cpus: frozenset[int], fn, *args, **kwargs):
+    """``fn`` run on the calling thread once it may only use ``cpus`` (it stays so until moved again)."""
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, cpus)
+    return fn(*args, **kwargs)

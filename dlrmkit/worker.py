@@ -38,7 +38,7 @@ import yaml
 from dlrmkit import dense as dense_half
 from dlrmkit.batch import RequestBatch, collate, scores
 from dlrmkit.config import DLRMConfig
-from dlrmkit.cpus import available_cpus, split_parts, torch_threads
+from dlrmkit.cpus import PartsPool, available_cpus, split_parts, torch_threads
 from dlrmkit.errors import BadRequest, ConfigError, OutOfMemory, RequestError, ServerError
 from dlrmkit.forms import RequestParser
 from dlrmkit.hot import Fill, HotIndex, IdCounter, Prefetch, lock_said, small_tables, warm
@@ -262,10 +262,10 @@ class Worker:
         """handler.split_rows: a large forward's parts run at once, on the pool's threads and this one."""
         self.split_parts = split_parts(self.threads, self.cpus) if self.device.type == "cpu" else 1
         if self.config.threads.split_rows and self.split_parts > 1:
-            # each pool thread on the worker's own thread count (OpenMP's count is per calling thread)
-            self.split_pool = ThreadPoolExecutor(
-                self.split_parts - 1, "dlrm-split", torch.set_num_threads, (self.threads,)
-            )
+            # each pool thread on the worker's own thread count (OpenMP's count is per calling thread);
+            # single-threaded parts each on a CPU of their own (PartsPool)
+            pool = PartsPool if self.threads == 1 else ThreadPoolExecutor
+            self.split_pool = pool(self.split_parts - 1, "dlrm-split", torch.set_num_threads, (self.threads,))
         elif self.config.threads.split_rows:
             logger.warning(
                 "handler.split_rows %d: nothing to split onto (%s): every forward runs whole",

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from dlrmkit.cpus import Placement, available_cpus, cpu_rule, torch_threads
+from dlrmkit.cpus import PartsPool, Placement, available_cpus, cpu_rule, this_cpu, torch_threads
 
 
 def tree(tmp_path, proc: str, files: dict[str, str]):
@@ -84,3 +84,31 @@ def test_torch_threads_share_the_cpus_among_the_workers():
     assert torch_threads(0, 1, cpus=2) == 2  # maxWorkers pinned to 1: the worker takes both
     assert torch_threads(0, 4, cpus=16) == 4
     assert torch_threads(0, 32, cpus=16) == 1
+
+
+def test_parts_pool_holds_the_caller_on_its_cpu_and_runs_tasks_on_the_others():
+    """Inside apart() the calling thread may only run on the CPU it was on and a submitted task
+    only on the pool's other CPUs; after it the caller has all of them back. On a single CPU (or
+    a pool of one) nothing is held."""
+    mine = frozenset(os.sched_getaffinity(0))
+    pool = PartsPool(1)
+    try:
+        assert pool.cpus == mine
+        with pool.apart():
+            held = frozenset(os.sched_getaffinity(0))
+            task = pool.submit(os.sched_getaffinity, 0).result()
+        after = frozenset(os.sched_getaffinity(0))
+        outside = pool.submit(sum, [2, 3]).result()  # outside apart(): as a ThreadPoolExecutor
+    finally:
+        pool.shutdown()
+        os.sched_setaffinity(0, mine)
+    assert after == mine and outside == 5
+    if len(mine) > 1:
+        (here,) = held
+        assert here in mine and task == mine - {here}
+    else:
+        assert held == mine and task == mine
+
+
+def test_this_cpu_is_one_the_thread_may_run_on():
+    assert this_cpu() in os.sched_getaffinity(0)
