@@ -119,13 +119,14 @@ def test_every_metric_the_handler_sends_is_declared_with_its_dimensions(modulo_h
     assert emitted["dlrm_remapped_ids_total"] == [2] and emitted["dlrm_rejected_requests_total"] == [1, 1]
 
 
-def handler_with(tmp_path, archived, monkeypatch, seconds: str):
+def handler_with(tmp_path, archived, monkeypatch, seconds: str, ctx: FakeContext | None = None):
+    """A handler initialized with DLRM_METRICS_SECONDS=``seconds`` on ``ctx`` (a fresh context by default)."""
     from dlrm_handler import TorchRecDLRMHandler
 
     monkeypatch.setenv("DLRM_METRICS_SECONDS", seconds)
     (tmp_path / "dlrm.pt").symlink_to(archived)
     h = TorchRecDLRMHandler()
-    h.initialize(FakeContext(tmp_path, dict(TINY)))
+    h.initialize(ctx or FakeContext(tmp_path, dict(TINY)))
     return h
 
 
@@ -158,25 +159,27 @@ def test_torchserves_own_prediction_time_goes_out_with_the_handlers_sums(tmp_pat
     """TorchServe's service records PredictionTime on the context's metrics after every batch, a
     line each: the handler puts its tally there, so it goes out with the handler's sums (the last
     batch's, a gauge); any other metric, and PredictionTime with dimensions, passes at once."""
+    from ts.metrics.dimension import Dimension
     from ts.service import PREDICTION_METRIC
 
     ctx = FakeContext(tmp_path, dict(TINY))
-    monkeypatch.setenv("DLRM_METRICS_SECONDS", "60")
-    (tmp_path / "dlrm.pt").symlink_to(archived)
-    from dlrm_handler import TorchRecDLRMHandler
-
-    h, sink = TorchRecDLRMHandler(), ctx.metrics
-    h.initialize(ctx)
+    sink = ctx.metrics
+    h = handler_with(tmp_path, archived, monkeypatch, "60", ctx)
     try:
         for ms in (4.5, 1.25):  # as ts/service.py's Service.predict does after each batch
             h.handle([{"body": body(instance(DENSE))}], ctx)
             ctx.metrics.request_ids = {0: "req"}
             ctx.metrics.add_time(PREDICTION_METRIC, ms)
         ctx.metrics.add_time("WorkerLoadTime", 7.0)
-        assert sink.recorded == [("WorkerLoadTime", 7.0, "ms")] and sink.request_ids == {0: "req"}
+        ctx.metrics.add_time(PREDICTION_METRIC, 3.0, None, "ms", [Dimension("Stage", "x")])
+        assert sink.recorded == [("WorkerLoadTime", 7.0, "ms"), (PREDICTION_METRIC, 3.0, "ms")]
+        assert sink.dimensions[-1] == {"Stage": "x"} and sink.request_ids == {0: "req"}
     finally:
         h.close()
-    assert [(n, v) for n, v, _ in sink.recorded if n == PREDICTION_METRIC] == [(PREDICTION_METRIC, 1.25)]
+    assert [(n, v) for n, v, _ in sink.recorded if n == PREDICTION_METRIC] == [
+        (PREDICTION_METRIC, 3.0),
+        (PREDICTION_METRIC, 1.25),
+    ]
     assert sink.total("dlrm_batches_total") == 2
 
 
