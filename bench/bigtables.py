@@ -104,7 +104,8 @@ TITLE = "Issue 44: tables larger than memory, hot rows packed, under LoadGen (pa
 TARGET = 1.25  # the issue's bound: packed warm p99 within this of the capped model's
 HOT_LINE = re.compile(
     r"hot rows: (?P<rows>\d+) rows(?: \((?P<mib>[\d.]+) MiB\) of (?P<tables>\d+) tables, read in "
-    r"(?P<seconds>[\d.]+) s, (?:locked in memory|not locked: (?P<why>.*))|, (?P<note>.*))$"
+    r"(?P<seconds>[\d.]+) s, (?:(?P<huge>[\d.]+) MiB on 2 MiB pages, )?(?:locked in memory|not locked: "
+    r"(?P<why>.*))|, (?P<note>.*))$"
 )
 
 
@@ -247,7 +248,8 @@ def hot_rows(text: str) -> dict | None:
             if g["note"] is not None:
                 return {"rows": int(g["rows"]), "note": g["note"], "locked": False}
             out = {"rows": int(g["rows"]), "mib": float(g["mib"]), "tables": int(g["tables"])}
-            return out | {"seconds": float(g["seconds"]), "locked": g["why"] is None, "why_not": g["why"]}
+            out |= {"seconds": float(g["seconds"]), "locked": g["why"] is None, "why_not": g["why"]}
+            return out | ({"huge_mib": float(g["huge"])} if g["huge"] is not None else {})
     return None
 
 
@@ -358,7 +360,8 @@ def hot_text(r: dict) -> str:
     if "note" in h:
         return f"{h['rows']:,} rows, {h['note']}" + oom
     locked = "locked" if h["locked"] else f"not locked: {h['why_not']}"
-    return f"{h['rows']:,} rows ({h['mib']} MiB), read in {h['seconds']} s, {locked}" + oom
+    huge = f", {h['huge_mib']} MiB on 2 MiB pages" if "huge_mib" in h else ""
+    return f"{h['rows']:,} rows ({h['mib']} MiB), read in {h['seconds']} s{huge}, {locked}" + oom
 
 
 def heading(report: dict, text: str) -> list[str]:

@@ -19,9 +19,10 @@ looked up), written by serving workers (``IdCounter``, handler.count_ids_dir), o
 all tables until a byte budget is spent. The weights file keeps each table's hot ids under
 ``HOT + table`` (int64, ascending); a file without them is an unpacked model.
 
-``warm`` reads the hot rows' pages into the page cache before the worker reports ready, and locks
-them (``mlock``) where the process may: a read-only mapping (tables larger than memory) under a
-``RLIMIT_MEMLOCK`` at least their size (``docker run --ulimit memlock=-1``, or CAP_IPC_LOCK).
+``warm`` reads the hot rows' pages into the page cache before the worker reports ready, on 2 MiB
+pages where the kernel maps a file so (``huge_pages``), and locks them (``mlock``) where the process
+may: a read-only mapping (tables larger than memory) under a ``RLIMIT_MEMLOCK`` at least their size
+(``docker run --ulimit memlock=-1``, or CAP_IPC_LOCK).
 """
 
 from __future__ import annotations
@@ -243,13 +244,44 @@ class HotIndex:
         return [views[t][self.rows[t] :] for t in self.hot if t in views]
 
 
+def huge_pages(root: str | Path = "/sys/kernel/mm/transparent_hugepage") -> bool:
+    """Whether a mapping advised MADV_HUGEPAGE may get 2 MiB pages (transparent huge pages
+    ``always`` or ``madvise``; ``never``, or a kernel without them: no). ``root`` is for tests."""
+    try:
+        chosen = Path(root, "enabled").read_text().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return False
+    return chosen in ("always", "madvise")
+
+
+def pmd_mapped(rollup: str | Path = "/proc/self/smaps_rollup") -> int:
+    """Bytes of files this process maps with 2 MiB page-table entries (FilePmdMapped)."""
+    try:
+        for line in Path(rollup).read_text().splitlines():
+            if line.startswith("FilePmdMapped:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def warm(regions: Sequence[torch.Tensor], lock: bool, advice_after: int = mmap.MADV_NORMAL) -> dict:
     """Read ``regions`` (views of mapped tables) into the page cache, and with ``lock`` mlock them.
     Each region is advised MADV_SEQUENTIAL while it is read (a fault reads ahead a window of pages,
     not the one page a MADV_RANDOM mapping's fault reads: 12 GiB of hot rows took 392 s page by
     page), then ``advice_after`` (the mapping's own: MADV_RANDOM for ``load_read_only``'s).
-    Returns what it did: bytes, seconds, locked (bool) and why not."""
+
+    Where the kernel allows (``huge_pages``) each region is also advised MADV_HUGEPAGE, and for good:
+    a fault then reads 2 MiB at once, and where the file system caches large folios (ext4 since
+    Linux 6.16, xfs) the region is mapped with 2 MiB page-table entries, so a lookup's address
+    translation misses the TLB far less. The full DLRMv2's 16 GiB of hot rows on an AMD EPYC (Zen 4,
+    Linux 6.18, ext4): read in 27 s against 47 s (MADV_WILLNEED), all of them PMD-mapped, the
+    packed model's forward 6% faster on the mean (``bench/bigtables.py profile``). Without that
+    support the regions are asked for with MADV_WILLNEED (the reads queued at once) as before.
+    Returns what it did: bytes, seconds, locked (bool) and why not, huge_bytes (PMD-mapped)."""
     started = time.perf_counter()
+    huge = huge_pages()
+    pmd_before = pmd_mapped() if huge else 0
     total = 0
     spans = []
     for r in regions:
@@ -261,11 +293,15 @@ def warm(regions: Sequence[torch.Tensor], lock: bool, advice_after: int = mmap.M
         spans.append((lo, hi - lo))
         total += hi - lo
         _madvise(lo, hi - lo, mmap.MADV_SEQUENTIAL)
-        _madvise(lo, hi - lo, mmap.MADV_WILLNEED)
+        if huge:  # kept after the read: the 2 MiB mappings stay (MADV_WILLNEED would read small pages)
+            _madvise(lo, hi - lo, mmap.MADV_HUGEPAGE)
+        else:
+            _madvise(lo, hi - lo, mmap.MADV_WILLNEED)
         flat = r.reshape(-1) if r.is_contiguous() else r.contiguous().view(-1)
         int(flat[:: max(1, _PAGE)].sum())  # one byte of every page: each is read now, not by a request
         _madvise(lo, hi - lo, advice_after)
     result: dict = {"bytes": total, "regions": len(spans), "locked": False}
+    result["huge_bytes"] = max(0, pmd_mapped() - pmd_before) if huge else 0
     if lock and spans:
         result.update(_mlock(spans, total))
     elif spans:
@@ -277,8 +313,9 @@ def warm(regions: Sequence[torch.Tensor], lock: bool, advice_after: int = mmap.M
 
 
 def lock_said(result: dict) -> str:
-    """What ``warm`` did about the lock, for the worker's log line."""
-    return "locked in memory" if result["locked"] else f"not locked: {result['why_not_locked']}"
+    """What ``warm`` did about 2 MiB pages and the lock, for the worker's log line."""
+    huge = f"{result.get('huge_bytes', 0) / 2**20:.1f} MiB on 2 MiB pages, "
+    return huge + ("locked in memory" if result["locked"] else f"not locked: {result['why_not_locked']}")
 
 
 def small_tables(views: Mapping[str, torch.Tensor], rows: Mapping[str, int]) -> list[torch.Tensor]:

@@ -420,6 +420,10 @@ def test_bigtables_reads_the_workers_hot_rows_line():
     }
     locked = bigtables.hot_rows(prefix + "hot rows: 5 rows (0.1 MiB) of 2 tables, read in 1.50 s, locked in memory")
     assert locked["locked"] and locked["why_not"] is None and locked["seconds"] == 1.5
+    huge = bigtables.hot_rows(
+        prefix + "hot rows: 5 rows (4.1 MiB) of 2 tables, read in 0.50 s, 4.0 MiB on 2 MiB pages, locked in memory"
+    )
+    assert huge["locked"] and huge["huge_mib"] == 4.0 and huge["mib"] == 4.1 and "huge_mib" not in locked
     unused = bigtables.hot_rows(prefix + "hot rows: 5 rows, not used (handler.hot_rows: false)")
     assert unused == {"rows": 5, "note": "not used (handler.hot_rows: false)", "locked": False}
     assert bigtables.hot_rows("DLRM loaded on cpu") is None

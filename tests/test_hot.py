@@ -5,6 +5,7 @@ counter."""
 from __future__ import annotations
 
 import mmap
+import os
 from pathlib import Path
 
 import pytest
@@ -175,6 +176,45 @@ def test_warm_reads_the_hot_pages_and_locks_them_where_it_may(tmp_path):
     assert vm_flags(region.data_ptr()) & {"rr", "sr"} == {"rr"}
     hot.warm([region], lock=False)
     assert not vm_flags(region.data_ptr()) & {"rr", "sr"}
+
+
+def test_warm_maps_the_hot_rows_on_2mib_pages_where_the_kernel_may(tmp_path, monkeypatch):
+    path = tmp_path / "rows.bin"
+    path.write_bytes(bytes(8 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # read anew by the warm-up, not left from the write
+    try:
+        mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        table = torch.frombuffer(mapped, dtype=torch.uint8).view(-1, 128)
+    region = table[8192:57344]  # bytes 1 MiB .. 7 MiB: two whole 2 MiB blocks inside
+    assert hot.huge_pages(), "this kernel has transparent huge pages off: the test needs them"
+    got = hot.warm([region], lock=False, advice_after=mmap.MADV_RANDOM)
+    # MADV_HUGEPAGE kept ("hg"), the blocks read and mapped 2 MiB a page-table entry (ext4, Linux >= 6.16)
+    assert {"hg", "rr"} <= vm_flags(region.data_ptr())
+    assert got["huge_bytes"] >= 4 << 20 and "MiB on 2 MiB pages" in hot.lock_said(got)
+    # without transparent huge pages: small pages, asked for at once (MADV_WILLNEED), as before
+    monkeypatch.setattr(hot, "huge_pages", lambda root=None: False)
+    other = table[:8]
+    got = hot.warm([other], lock=False)
+    assert got["huge_bytes"] == 0 and "hg" not in vm_flags(other.data_ptr())
+
+
+def test_huge_pages_reads_the_kernels_choice(tmp_path):
+    for text, want in (
+        ("always [madvise] never", True),
+        ("[always] madvise never", True),
+        ("always madvise [never]", False),
+    ):
+        (tmp_path / "enabled").write_text(text + "\n")
+        assert hot.huge_pages(tmp_path) is want
+    assert hot.huge_pages(tmp_path / "absent") is False
 
 
 def vm_flags(address: int) -> set[str]:
@@ -651,8 +691,11 @@ def test_a_worker_of_tables_larger_than_memory_locks_prefetches_and_fills(tmp_pa
         assert w.fill.stopped_by == "every table read" and w.fill.read == 40_000 * 16
         dense, kjt = skewed_batch(config, n=4, seed=1)
         bodies = bodies_of(config, dense, kjt)
+        redirected, redirect = [], w.hot.redirect
+        w.hot.redirect = lambda k: redirected.append(k.stride()) or redirect(k)
         data, _ = w.score([open_request(b, False, None, w.parser, w.model_id, "application/json") for b in bodies])
         assert not data.errors and w.prefetch.asked.get("feature_0", 0) > 0, (w.prefetch.asked, bodies[0])
+        assert redirected == [4]  # the forward's rows redirected (then prefetched) as it was scored
         plain = DLRMFactory(config.with_changes(embedding_dtype="int8"))
         monkeypatch.undo()
         model = plain.load(packed / "dlrm.pt")
